@@ -1,0 +1,262 @@
+"""The YAML configuration: frozen, keyword-only dataclasses with one docstring per field.
+
+``load_config(path)`` reads a file, ``Config.from_dict(data)`` a mapping. Unknown keys and
+wrong types are errors that name the key path and list what is allowed; nothing is dropped
+silently. Every field has a default, so an empty file (or no file) is a working setup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from .errors import ConfigError
+
+ENV_VAR = "MEGATRON_PATCHES_CONFIG"
+
+
+def _positive(value: Any) -> Optional[str]:
+    if value is not None and not value > 0:
+        return "must be > 0"
+    return None
+
+
+def _at_least_one(value: Any) -> Optional[str]:
+    if value is not None and value < 1:
+        return "must be >= 1"
+    return None
+
+
+def _fraction(value: Any) -> Optional[str]:
+    if value is not None and not 0 < value < 1:
+        return "must be between 0 and 1 (exclusive)"
+    return None
+
+
+def _check(fn):
+    return field(metadata={"check": fn})
+
+
+@dataclass(frozen=True, kw_only=True)
+class NonFiniteConfig:
+    enabled: bool = True
+    """Flag a step whose gradients hold NaN or Inf (counted separately per parameter)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MagnitudeConfig:
+    enabled: bool = True
+    """Flag a step whose gradient norms exceed the thresholds below (each null = off)."""
+    param_norm_max: Optional[float] = field(default=None, metadata={"check": _positive})
+    """Largest allowed L2 norm of one parameter's gradient."""
+    total_norm_max: Optional[float] = field(default=1.0e6, metadata={"check": _positive})
+    """Largest allowed L2 norm of the whole model's gradient (before clipping)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossScaleConfig:
+    enabled: bool = True
+    """fp16 only: overflows the dynamic loss scaler absorbs are counted, not reported; these are."""
+    min_scale: float = field(default=1.0, metadata={"check": _positive})
+    """A loss scale at or below this value is an incident (the scaler has collapsed)."""
+    max_consecutive_skips: int = field(default=10, metadata={"check": _at_least_one})
+    """This many overflow-skipped steps in a row is an incident."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DetectorsConfig:
+    nonfinite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
+    """NaN/Inf check."""
+    magnitude: MagnitudeConfig = field(default_factory=MagnitudeConfig)
+    """Absolute gradient-norm thresholds."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """fp16 dynamic loss-scale health."""
+
+
+def _non_negative(value: Any) -> Optional[str]:
+    if value is not None and value < 0:
+        return "must be >= 0"
+    return None
+
+
+def _http_url(value: Any) -> Optional[str]:
+    if value is not None and not value.startswith(("http://", "https://")):
+        return "must be an http:// or https:// URL"
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WebhookConfig:
+    url: str = field(default="", metadata={"check": _http_url})
+    """Where alerts are POSTed as JSON (required; it often holds a token, so it is never logged)."""
+    format: Literal["generic", "slack", "feishu", "dingtalk"] = "generic"
+    """Body shape. generic: the incident record itself. slack: {"text": ...}. feishu:
+    {"msg_type": "text", "content": {"text": ...}}. dingtalk: {"msgtype": "text", "text": {"content": ...}}."""
+    timeout_s: float = field(default=5.0, metadata={"check": _positive})
+    """Give up on one POST after this many seconds."""
+    retries: int = field(default=2, metadata={"check": _non_negative})
+    """Further attempts after a failed POST, with doubling pauses (alerts.backoff_s first)."""
+
+    def __post_init__(self) -> None:
+        if not self.url:
+            raise ConfigError("every entry of `alerts.webhooks` needs a `url`, e.g. url: https://hooks.example/...")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlertsConfig:
+    min_severity: Literal["error", "critical"] = "error"
+    """Incidents at or above this severity go to the sinks below; all others are only logged."""
+    jsonl: Optional[str] = None
+    """Append each alert to this JSONL file (relative paths are taken under report_dir)."""
+    command: Optional[str] = None
+    """Shell command run once per alert with the incident JSON on stdin, e.g. "mail -s nan ops"."""
+    command_timeout_s: float = field(default=30.0, metadata={"check": _positive})
+    """Kill the command (and its process group) after this many seconds."""
+    command_retries: int = field(default=0, metadata={"check": _non_negative})
+    """Further runs after the command failed or timed out."""
+    webhooks: tuple[WebhookConfig, ...] = ()
+    """HTTP endpoints to POST each alert to."""
+    queue_size: int = field(default=100, metadata={"check": _at_least_one})
+    """Alerts waiting for the sender thread; when full the oldest is dropped and counted."""
+    backoff_s: float = field(default=1.0, metadata={"check": _positive})
+    """Pause before the first retry of a sink; doubled for each further retry."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    enabled: bool = True
+    """Master switch: false installs nothing."""
+    check_interval: int = field(default=1, metadata={"check": _at_least_one})
+    """Check every N-th optimizer step (1 = every step)."""
+    report_dir: str = "megatron_patches_reports"
+    """Directory for incidents.jsonl and fault scenes (relative paths are taken from the cwd)."""
+    overflow_mode: Literal["auto", "ieee", "saturation"] = "auto"
+    """How the accelerator reports overflow. ieee: Inf/NaN appear (GPUs, newer Ascend parts).
+    saturation: overflow clamps to +-max and NaN becomes 0 (older Ascend training parts), so
+    |x| >= finfo(dtype).max counts as overflow. auto: ask torch_npu where present, else ieee."""
+    detectors: DetectorsConfig = field(default_factory=DetectorsConfig)
+    """Which checks run before clipping."""
+    alerts: AlertsConfig = field(default_factory=AlertsConfig)
+    """Where error and critical incidents are sent besides the log (file, command, webhooks)."""
+    grad_history: bool = True
+    """Rank 0 appends total and per-layer gradient norms of every checked step to
+    ``<report_dir>/grad_history.jsonl`` (read by ``megatron-patches report --plot``)."""
+    grad_history_max_lines: int = field(default=100_000, metadata={"check": _at_least_one})
+    """Rotate grad_history.jsonl to grad_history.jsonl.1 after this many lines (bounds disk use)."""
+    inject: tuple[str, ...] = ()
+    """Fault-injection specs for drills, e.g. "nan:step=5,param=*linear_fc1.weight" (see README)."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Level of this package's log messages."""
+
+    @classmethod
+    def from_dict(cls, data: Optional[dict]) -> "Config":
+        """Build and validate a Config from a mapping (e.g. parsed YAML)."""
+        return _build(cls, {} if data is None else data, "")
+
+    def replace(self, **changes: Any) -> "Config":
+        """A copy with some top-level fields changed (validated like the YAML)."""
+        merged = {**dataclasses.asdict(self), **changes}
+        return Config.from_dict(merged)
+
+
+def load_config(path: Optional[str] = None) -> Config:
+    """Load the config at ``path``, or at $MEGATRON_PATCHES_CONFIG, or the defaults."""
+    path = path if path is not None else os.environ.get(ENV_VAR) or None
+    if path is None:
+        return Config()
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} does not exist (set {ENV_VAR} to a YAML file)") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"config file {path!r} must hold a mapping at the top level, got {type(data).__name__}")
+    return Config.from_dict(data)
+
+
+# --- validation -------------------------------------------------------------------------
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        parts = [_describe(a) for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(parts) + " or null"
+    if origin is tuple:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    wrong = ConfigError(f"`{where}` must be {_describe(tp)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise wrong
+        return _build(tp, value, where + ".")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _convert(inner[0], value, where)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise wrong
+        return value
+    if origin is tuple:
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            raise wrong
+        item = typing.get_args(tp)[0]
+        return tuple(_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise wrong
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise wrong
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise wrong
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise wrong
+        return value
+    raise TypeError(f"unsupported config type {tp!r} at {where}")
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"`{prefix.rstrip('.') or 'config'}` must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        where = prefix.rstrip(".") or "the top level"
+        raise ConfigError(
+            f"unknown config key {prefix}{unknown[0]!s} at {where}; valid keys: {', '.join(sorted(known))}"
+        )
+    values = {}
+    for name, value in data.items():
+        where = prefix + name
+        converted = _convert(hints[name], value, where)
+        check = known[name].metadata.get("check")
+        problem = check(converted) if check else None
+        if problem:
+            raise ConfigError(f"`{where}` {problem}, got {value!r}")
+        values[name] = converted
+    return cls(**values)

@@ -1,0 +1,203 @@
+"""Run megatron-core on a CPU-only torch, for tests and CPU-only CI runners.
+
+megatron-core assumes CUDA in a handful of places: tensors created with ``device='cuda'``
+or an integer device, ``torch.cuda.current_device()``, the CUDA RNG tracker of the
+tensor-parallel layers, ``param.type() == 'torch.cuda.FloatTensor'`` checks in the
+optimizer, and CUDA streams. :func:`install` redirects exactly those to the CPU so that
+the real model, DDP, optimizer and schedules train on CPU with gloo. Nothing here is
+installed by importing this module, and :func:`uninstall` restores every attribute.
+
+This is a test runtime: it makes numbers come out of real megatron-core code on
+machines without an accelerator. It is not a way to train at speed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["install", "uninstall", "installed", "cpu_runtime"]
+
+_lock = threading.Lock()
+_state: dict[str, Any] | None = None
+
+_CPU = torch.device("cpu")
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.DoubleTensor": "torch.cuda.DoubleTensor",
+    "torch.LongTensor": "torch.cuda.LongTensor",
+    "torch.IntTensor": "torch.cuda.IntTensor",
+    "torch.ByteTensor": "torch.cuda.ByteTensor",
+    "torch.BoolTensor": "torch.cuda.BoolTensor",
+}
+
+
+def _is_accelerator_device(value: Any) -> bool:
+    if isinstance(value, torch.device):
+        return value.type == "cuda"
+    if isinstance(value, str):
+        return value.startswith("cuda")
+    # An integer device index means "that CUDA device" to torch.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites every cuda (or integer) device argument of a torch call to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_accelerator_device(kwargs.get("device")):
+            kwargs = {**kwargs, "device": _CPU}
+        if func is torch.Tensor.to:
+            args = args[:1] + tuple(_CPU if _is_accelerator_device(a) else a for a in args[1:])
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream/Event: work on the CPU is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NullStream()
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _null_stream(*args, **kwargs):
+    return _NullStream()
+
+
+def _cpu_rng_state(*args, **kwargs):
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state, *args, **kwargs):
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed):
+    # Not torch.manual_seed: that calls torch.cuda.manual_seed_all, which would recurse here.
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _tensor_type(original: Callable) -> Callable:
+    def type_(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(result, str):
+            return _CUDA_TYPE_NAMES.get(result, result)
+        return result
+
+    type_.__wrapped__ = original
+    return type_
+
+
+def _redirects() -> list[tuple[Any, str, Any]]:
+    """(owner, attribute, replacement) for every attribute this runtime swaps."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    items: list[tuple[Any, str, Any]] = [
+        (torch.cuda, "current_device", lambda: 0),
+        (torch.cuda, "set_device", lambda *a, **k: None),
+        (torch.cuda, "synchronize", lambda *a, **k: None),
+        (torch.cuda, "Stream", _NullStream),
+        (torch.cuda, "Event", _NullStream),
+        (torch.cuda, "current_stream", _null_stream),
+        (torch.cuda, "default_stream", _null_stream),
+        (torch.cuda, "stream", _null_stream),
+        (torch.cuda, "get_rng_state", _cpu_rng_state),
+        (torch.cuda, "set_rng_state", _set_cpu_rng_state),
+        (torch.cuda, "manual_seed", _cpu_manual_seed),
+        (torch.cuda, "memory_allocated", lambda *a, **k: 0),
+        (torch.cuda, "max_memory_allocated", lambda *a, **k: 0),
+        (torch.cuda.random, "get_rng_state", _cpu_rng_state),
+        (tp_random, "_get_cuda_rng_state", _cpu_rng_state),
+        (tp_random, "_set_cuda_rng_state", _set_cpu_rng_state),
+        (torch.Tensor, "type", _tensor_type(torch.Tensor.type)),
+    ]
+    return items
+
+
+def install() -> None:
+    """Redirect megatron-core's CUDA assumptions to the CPU. Idempotent."""
+    global _state
+    with _lock:
+        if _state is not None:
+            return
+        saved = []
+        for owner, name, replacement in _redirects():
+            saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
+            setattr(owner, name, replacement)
+        mode = _CudaToCpu()
+        mode.__enter__()
+        _state = {"saved": saved, "mode": mode}
+
+
+def uninstall() -> None:
+    """Undo :func:`install`; a no-op when not installed."""
+    global _state
+    with _lock:
+        if _state is None:
+            return
+        _state["mode"].__exit__(None, None, None)
+        for owner, name, original in reversed(_state["saved"]):
+            if original is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        _state = None
+
+
+def installed() -> bool:
+    """Whether the CPU runtime is active in this process."""
+    return _state is not None
+
+
+@contextlib.contextmanager
+def cpu_runtime():
+    """``with cpu_runtime(): ...`` installs the runtime for the block only."""
+    was_installed = installed()
+    install()
+    try:
+        yield
+    finally:
+        if not was_installed:
+            uninstall()
+
+
+class _Missing:
+    pass
+
+
+_MISSING = _Missing()
