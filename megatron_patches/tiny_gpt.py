@@ -1,0 +1,164 @@
+"""Train a tiny Megatron GPT for real: ``python -m megatron_patches.tiny_gpt`` or
+``torchrun --nproc-per-node W -m megatron_patches.tiny_gpt --tp T --pp P``.
+
+It builds the model from megatron-core's own parts (parallel_state, GPTModel with the local
+layer spec, DistributedDataParallel, get_megatron_optimizer, the pipeline schedules) and
+guards it through ``import megatron_patches.apply``, exactly as a Megatron-LM job would.
+Without an accelerator it runs on the CPU with gloo through the CPU test runtime.
+Rank 0 prints one line per step and writes ``<out>/result.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Optional
+
+from .errors import UserError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage wall
+        raise UserError(f"{message} (see --help)")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = _Parser(prog="python -m megatron_patches.tiny_gpt", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1); dp = world / (tp*pp)")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="parameter precision (default fp32)")
+    p.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer state over data parallel")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
+    p.add_argument("--seed", type=int, default=1234, help="model and data seed (default 1234)")
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
+    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step and DP rank (default 2)")
+    p.add_argument("--micro-batch-size", type=int, default=4, help="samples per micro-batch (default 4)")
+    p.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--vocab", type=int, default=128, help="vocabulary size (default 128)")
+    p.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
+    p.add_argument("--config", metavar="FILE", help="megatron_patches YAML config (default: built-in defaults)")
+    p.add_argument("--inject", metavar="SPEC", action="append", default=[],
+                   help="fault to inject, e.g. nan:step=5,param=*linear_fc1.weight,rank=1 (repeatable)")
+    p.add_argument("--out", metavar="DIR", default="runs/tiny_gpt", help="output directory (default runs/tiny_gpt)")
+    p.add_argument("--save-interval", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    p.add_argument("--no-guard", action="store_true", help="train without megatron_patches (baseline)")
+    args = p.parse_args(argv)
+    for name in ("tp", "pp", "steps", "micro_batches", "micro_batch_size", "layers", "hidden", "heads", "vocab", "seq"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.save_interval < 0:
+        raise UserError(f"--save-interval must be >= 0, got {args.save_interval}")
+    if not args.lr > 0:
+        raise UserError(f"--lr must be > 0, got {args.lr}")
+    if args.hidden % args.heads:
+        raise UserError(f"--hidden ({args.hidden}) must be divisible by --heads ({args.heads})")
+    return args
+
+
+def _effective_config(args: argparse.Namespace) -> str:
+    """Write the config the job runs with (file + --inject + --out) and return its path."""
+    import yaml
+
+    from .config import load_config
+    from .inject import parse_spec
+
+    base = load_config(args.config)
+    for spec in args.inject:
+        parse_spec(spec)  # reject a bad spec before any process group exists
+    config = base.replace(inject=tuple(base.inject) + tuple(args.inject), report_dir=args.out)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "effective_config.yaml")
+    import dataclasses
+
+    with open(path + ".tmp", "w", encoding="utf-8") as handle:
+        yaml.safe_dump(_plain(dataclasses.asdict(config)), handle, sort_keys=False)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _init_distributed(args: argparse.Namespace) -> str:
+    """Start torch.distributed; returns the device type ('cuda', 'npu' or 'cpu')."""
+    import torch
+
+    if "RANK" not in os.environ:  # plain `python -m`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    world = int(os.environ["WORLD_SIZE"])
+    if world % (args.tp * args.pp):
+        raise UserError(f"tp*pp = {args.tp}*{args.pp} does not divide the world size {world}; "
+                        f"launch with --nproc-per-node a multiple of {args.tp * args.pp}")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device, backend = "cuda", "nccl"
+        torch.cuda.set_device(local_rank)
+        if args.precision == "bf16" and not torch.cuda.is_bf16_supported():
+            raise UserError("this GPU cannot run bf16; use --precision fp16 or fp32")
+    elif _npu_available():
+        device, backend = "npu", "hccl"
+        torch.npu.set_device(local_rank)  # type: ignore[attr-defined]
+    else:
+        from .testing import cpu
+
+        cpu.install()
+        device, backend = "cpu", "gloo"
+    torch.distributed.init_process_group(backend=backend)
+    return device
+
+
+def _npu_available() -> bool:
+    try:
+        import torch_npu  # type: ignore  # noqa: F401
+        import torch
+
+        return torch.npu.is_available()  # type: ignore[attr-defined]
+    except Exception:
+        return False
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        args = parse_args(argv)
+        if not args.no_guard:
+            os.environ["MEGATRON_PATCHES_CONFIG"] = _effective_config(args)
+        device = _init_distributed(args)
+        from .trainer import TinyTrainer
+
+        trainer = TinyTrainer(args, device)
+        result = trainer.train()
+    except UserError as exc:
+        print(f"tiny_gpt: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        import torch
+
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0 if result["params_finite"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Shared helpers: run the real tiny-GPT harness in fresh processes and read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    out: Path
+
+    @property
+    def result(self) -> dict:
+        return json.loads((self.out / "result.json").read_text())
+
+    @property
+    def incidents(self) -> list[dict]:
+        path = self.out / "incidents.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_tiny(out: Path, *args: str, nproc: int = 1, env: dict | None = None, timeout: int = 300) -> Run:
+    """Train with ``python -m megatron_patches.tiny_gpt`` (under torchrun when nproc > 1)."""
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "megatron_patches.tiny_gpt"]
+    else:
+        cmd = [sys.executable, "-m", "megatron_patches.tiny_gpt"]
+    cmd += ["--out", str(out), *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    full_env.pop("MEGATRON_PATCHES_CONFIG", None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout)
+    return Run(proc.returncode, proc.stdout + proc.stderr, out)
+
+
+def assert_trained(run: Run, min_drop: float = 0.5) -> dict:
+    """The run finished, every parameter on every rank is finite, and loss fell."""
+    assert run.returncode == 0, run.output[-3000:]
+    result = run.result
+    assert result["params_finite"], run.output[-3000:]
+    assert result["final_loss"] < result["initial_loss"] - min_drop, result
+    return result
+
+
+@pytest.fixture
+def clean_patches():
+    """Leave no patches or monitor behind for the next test in this process."""
+    from megatron_patches import runtime
+
+    runtime.uninstall()
+    yield
+    runtime.uninstall()

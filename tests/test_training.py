@@ -1,0 +1,64 @@
+"""The walking skeleton: real megatron-core tiny GPTs train on CPU in every layout."""
+
+import pytest
+
+from conftest import assert_trained, run_tiny
+
+
+def test_single_rank_fp32_trains(tmp_path):
+    result = assert_trained(run_tiny(tmp_path, "--steps", "30"))
+    assert (result["world_size"], result["tp"], result["pp"], result["dp"]) == (1, 1, 1, 1)
+    assert result["steps_completed"] == 30
+    assert result["skipped_steps"] == 0 and result["incidents"] == 0
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    "nproc, args, layout",
+    [
+        (2, ["--tp", "2"], (2, 1, 1)),
+        (2, ["--pp", "2", "--layers", "4"], (1, 2, 1)),
+        (2, ["--distributed-optimizer"], (1, 1, 2)),
+        (2, ["--precision", "bf16", "--distributed-optimizer"], (1, 1, 2)),
+        (2, ["--precision", "fp16"], (1, 1, 2)),
+    ],
+    ids=["tp2", "pp2", "dp2-distopt", "bf16-dp2-distopt", "fp16-dp2"],
+)
+def test_parallel_layouts_train(tmp_path, nproc, args, layout):
+    result = assert_trained(run_tiny(tmp_path, "--steps", "25", *args, nproc=nproc))
+    assert (result["tp"], result["pp"], result["dp"]) == layout
+    assert result["world_size"] == nproc
+    assert result["incidents"] == 0
+
+
+def test_bf16_single_rank_trains(tmp_path):
+    result = assert_trained(run_tiny(tmp_path, "--steps", "25", "--precision", "bf16"))
+    assert result["precision"] == "bf16" and result["incidents"] == 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--tp", "2"], "tp*pp = 2*1 does not divide the world size 1"),
+        (["--precision", "fp8"], "invalid choice: 'fp8'"),
+        (["--inject", "nan:param=x"], "step=N is required"),
+        (["--inject", "melt:step=1"], "kind must be one of nan, inf, spike, bitflip, saturate"),
+    ],
+)
+def test_bad_input_is_one_clear_line(tmp_path, args, message):
+    run = run_tiny(tmp_path, *args)
+    assert run.returncode == 2
+    errors = [line for line in run.output.splitlines() if line.startswith("tiny_gpt: error:")]
+    assert len(errors) == 1 and message in errors[0], run.output
+    assert "Traceback" not in run.output
+
+
+def test_bad_config_file_is_refused_before_training(tmp_path):
+    config = tmp_path / "guard.yaml"
+    config.write_text("detectors:\n  magnitude:\n    total_norm_maxx: 5\n")
+    run = run_tiny(tmp_path / "out", "--config", str(config))
+    assert run.returncode == 2
+    assert "unknown config key detectors.magnitude.total_norm_maxx" in run.output
+    assert "valid keys: enabled, param_norm_max, total_norm_max" in run.output
+    assert "Traceback" not in run.output
