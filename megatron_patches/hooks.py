@@ -1,0 +1,111 @@
+"""The calls both ways in go through: runtime wrappers (``import megatron_patches.apply``)
+and the decorators the source patch adds to Megatron's optimizer (``make patch``).
+
+One implementation, two ways in: the wrappers below and the decorators call the same
+functions, which hand over to the active :class:`~megatron_patches.monitor.GradMonitor`.
+With no monitor active every hook passes straight through.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import weakref
+from typing import Any, Callable, Optional
+
+_monitor: Optional[Any] = None
+_inside_check = contextvars.ContextVar("megatron_patches_inside_check", default=False)
+_model_chunks: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
+
+
+def set_monitor(monitor: Optional[Any]) -> None:
+    """Make ``monitor`` the one the hooks call (None: pass through)."""
+    global _monitor
+    _monitor = monitor
+
+
+def get_monitor() -> Optional[Any]:
+    return _monitor
+
+
+def model_chunks_for(optimizer: Any) -> Optional[list]:
+    """The model chunks ``get_megatron_optimizer`` built ``optimizer`` for, if seen."""
+    return _model_chunks.get(optimizer)
+
+
+def register_model(optimizer: Any, model_chunks: list) -> None:
+    """Tell the hooks which model an optimizer belongs to (names for incident records).
+    Done automatically for optimizers made by ``get_megatron_optimizer``; custom loops that
+    build optimizers otherwise call this once."""
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    _model_chunks[optimizer] = chunks
+    for leaf in getattr(optimizer, "chained_optimizers", ()):
+        _model_chunks[leaf] = chunks
+
+
+def _checked_prepare(optimizer: Any, call: Callable[[], bool]) -> bool:
+    # A ChainedOptimizer's prepare_grads calls each leaf's: only the outermost call checks,
+    # so a chain costs one collective per step, not one per leaf.
+    if _monitor is None or _inside_check.get():
+        return call()
+    token = _inside_check.set(True)
+    try:
+        found_inf = bool(call())
+    finally:
+        _inside_check.reset(token)
+    return _monitor.after_prepare_grads(optimizer, found_inf)
+
+
+def prepare_grads_wrapper(wrapped, instance, args, kwargs) -> bool:
+    """wrapt wrapper for every ``prepare_grads``: True means 'skip this step'."""
+    return _checked_prepare(instance, lambda: wrapped(*args, **kwargs))
+
+
+def clip_grad_norm_wrapper(wrapped, instance, args, kwargs):
+    """wrapt wrapper for ``MegatronOptimizer.clip_grad_norm``: checks callers that clip
+    without going through ``prepare_grads`` first; bad gradients are zeroed before clipping."""
+    if _monitor is not None and not _inside_check.get():
+        _monitor.before_direct_clip(instance)
+    return wrapped(*args, **kwargs)
+
+
+def get_optimizer_wrapper(wrapped, instance, args, kwargs):
+    """wrapt wrapper for ``get_megatron_optimizer``: remembers the model chunks."""
+    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    optimizer = wrapped(*args, **kwargs)
+    register_model(optimizer, bound.arguments["model_chunks"])
+    return optimizer
+
+
+def finalize_model_grads_wrapper(wrapped, instance, args, kwargs):
+    """wrapt wrapper for ``finalize_model_grads``: runs just before the data-parallel reduction."""
+    if _monitor is not None:
+        bound = inspect.signature(wrapped).bind(*args, **kwargs)
+        _monitor.before_grad_reduction(bound.arguments["model"])
+    return wrapped(*args, **kwargs)
+
+
+# --- decorators used by the source patch (patches/*/0002-optimizer-hooks.patch) -----------
+
+
+def checked_prepare_grads(method: Callable) -> Callable:
+    """Decorator for ``prepare_grads`` in Megatron's optimizer source: same checks as the runtime patch."""
+
+    @functools.wraps(method)
+    def prepare_grads(self, *args, **kwargs):
+        return _checked_prepare(self, lambda: method(self, *args, **kwargs))
+
+    prepare_grads.__megatron_patches__ = True
+    return prepare_grads
+
+
+def checked_clip_grad_norm(method: Callable) -> Callable:
+    """Decorator for ``clip_grad_norm`` in Megatron's optimizer source."""
+
+    @functools.wraps(method)
+    def clip_grad_norm(self, *args, **kwargs):
+        return clip_grad_norm_wrapper(functools.partial(method, self), self, args, kwargs)
+
+    clip_grad_norm.__megatron_patches__ = True
+    return clip_grad_norm

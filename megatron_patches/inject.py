@@ -1,0 +1,144 @@
+"""Fault injection for tests and fire drills: ``KIND:key=value,...``.
+
+Kinds: ``nan``, ``inf`` (one element), ``spike`` (multiply the gradient by ``factor``,
+default 1e4), ``bitflip`` (flip the highest exponent bit of one element), ``saturate`` (one
+element set to the dtype's largest finite value, as an Ascend part in saturation mode
+reports an overflow). Keys: ``step``
+(required, 1-based optimizer step), ``param`` (fnmatch pattern on the global parameter name;
+default: the model's first parameter in forward order), ``rank`` (global rank; default all),
+``count`` (consecutive steps, default 1), ``phase`` (``grad``: the gradient the optimizer
+sees, default; ``local``: this rank's gradient before the data-parallel reduction, so it
+spreads like a faulty card's would), ``factor`` (spike only).
+
+An injection is an event in time: each (spec, step) fires once, so steps replayed after a
+rollback are not injected again.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+from .errors import ConfigError
+
+KINDS = ("nan", "inf", "spike", "bitflip", "saturate")
+PHASES = ("grad", "local")
+_KEYS = ("step", "param", "rank", "count", "phase", "factor")
+
+
+@dataclass(frozen=True)
+class InjectionSpec:
+    kind: str
+    step: int
+    param: Optional[str] = None
+    rank: Optional[int] = None
+    count: int = 1
+    phase: str = "grad"
+    factor: float = 1.0e4
+    text: str = ""
+
+    def covers(self, step: int) -> bool:
+        return self.step <= step < self.step + self.count
+
+
+def _int(key: str, value: str, text: str, minimum: int) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigError(f"injection {text!r}: {key} must be an integer, got {value!r}") from None
+    if number < minimum:
+        raise ConfigError(f"injection {text!r}: {key} must be >= {minimum}, got {number}")
+    return number
+
+
+def parse_spec(text: str) -> InjectionSpec:
+    """Parse one spec, e.g. ``nan:step=5,param=*linear_fc1.weight,rank=1``."""
+    kind, sep, rest = text.strip().partition(":")
+    if kind not in KINDS:
+        raise ConfigError(f"injection {text!r}: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    values: dict = {}
+    for item in filter(None, rest.split(",")) if sep else ():
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in _KEYS:
+            raise ConfigError(f"injection {text!r}: expected key=value with key in {', '.join(_KEYS)}, got {item!r}")
+        values[key] = value.strip()
+    if "step" not in values:
+        raise ConfigError(f"injection {text!r}: step=N is required")
+    spec = dict(kind=kind, text=text.strip(), step=_int("step", values["step"], text, 1))
+    if "rank" in values:
+        spec["rank"] = _int("rank", values["rank"], text, 0)
+    if "count" in values:
+        spec["count"] = _int("count", values["count"], text, 1)
+    if "param" in values:
+        spec["param"] = values["param"]
+    if "phase" in values:
+        if values["phase"] not in PHASES:
+            raise ConfigError(f"injection {text!r}: phase must be one of {', '.join(PHASES)}, got {values['phase']!r}")
+        spec["phase"] = values["phase"]
+    if "factor" in values:
+        if kind != "spike":
+            raise ConfigError(f"injection {text!r}: factor applies to spike only")
+        try:
+            spec["factor"] = float(values["factor"])
+        except ValueError:
+            raise ConfigError(f"injection {text!r}: factor must be a number, got {values['factor']!r}") from None
+    return InjectionSpec(**spec)
+
+
+def _corrupt(kind: str, grad: torch.Tensor, factor: float) -> None:
+    flat = grad.view(-1)
+    if flat.numel() == 0:
+        return
+    if kind == "nan":
+        flat[0] = float("nan")
+    elif kind == "inf":
+        flat[0] = float("inf")
+    elif kind == "saturate":
+        flat[0] = torch.finfo(grad.dtype).max
+    elif kind == "spike":
+        grad.mul_(factor)
+    elif kind == "bitflip":
+        int_type = {2: torch.int16, 4: torch.int32, 8: torch.int64}[grad.element_size()]
+        bits = flat[:1].view(int_type)
+        top_exponent_bit = grad.element_size() * 8 - 2
+        bits ^= torch.tensor(1 << top_exponent_bit, dtype=int_type).to(int_type)
+
+
+class Injector:
+    """Applies the specs that are due; remembers what fired so nothing fires twice."""
+
+    def __init__(self, specs: Iterable[InjectionSpec]):
+        self.specs = tuple(specs)
+        self._fired: set[tuple[int, int]] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.specs)
+
+    def due(self, step: int, phase: str, rank: int) -> list[tuple[int, InjectionSpec]]:
+        return [
+            (i, s)
+            for i, s in enumerate(self.specs)
+            if s.phase == phase and s.covers(step) and (i, step) not in self._fired
+            and (s.rank is None or s.rank == rank)
+        ]
+
+    def apply(self, step: int, phase: str, rank: int,
+              named_grads: list[tuple[str, int, torch.Tensor]]) -> list[str]:
+        """Corrupt the due gradients on this rank. ``named_grads``: (global name, forward order, grad)."""
+        done = []
+        for index, spec in self.due(step, phase, rank):
+            self._fired.add((index, step))
+            if spec.param is None:
+                # Forward order 0 is the model's first parameter; only ranks holding it match.
+                targets = [t for t in named_grads if t[1] == 0]
+            else:
+                targets = [t for t in named_grads if fnmatch.fnmatchcase(t[0], spec.param)]
+            for name, _, grad in targets:
+                _corrupt(spec.kind, grad, spec.factor)
+                done.append(f"{spec.text} -> {name} on rank {rank}")
+        return done
+

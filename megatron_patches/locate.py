@@ -1,0 +1,144 @@
+"""Where a gradient lives: global parameter names, layers, and the rank holding it.
+
+Names are what a non-pipelined ``model.named_parameters()`` would give, without the
+``module.`` prefixes of DDP/Float16Module, and with the global layer index under pipeline
+parallelism (``decoder.layers.0`` on the second stage of a 4-layer, PP=2 model is
+``decoder.layers.2``). ``order`` runs along the forward pass over the whole model, so in
+backward order the bad parameter with the largest ``order`` is where the fault entered.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+_LAYER_PATH = re.compile(r"^(?P<prefix>.*\blayers)\.(?P<idx>\d+)$")
+_LAYER_IN_NAME = re.compile(r"\blayers\.(\d+)\.")
+_STAGE_STRIDE = 1_000_000
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str
+    layer: Optional[int]
+    order: int
+    counts_in_norm: bool
+    """False for copies that Megatron's grad norm skips: TP-replicated parameters on TP ranks
+    other than 0, and shared (tied) parameters."""
+
+
+def _strip_wrappers(name: str) -> str:
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
+def _unwrap(chunk: Any) -> Any:
+    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
+def num_layers(chunk: Any) -> int:
+    """Transformer layers of the whole model (all pipeline stages), from its config."""
+    config = getattr(_unwrap(chunk), "config", None)
+    return int(getattr(config, "num_layers", 0) or 0)
+
+
+def _parallel_state():
+    try:
+        from megatron.core import parallel_state as ps
+
+        return ps if ps.model_parallel_is_initialized() else None
+    except Exception:  # pragma: no cover - megatron-core missing or too old
+        return None
+
+
+def rank_info() -> dict[str, int]:
+    """{global, tp, pp, dp, cp, ep, vpp} of this process (0 where not initialized)."""
+    ranks = {"global": torch.distributed.get_rank() if torch.distributed.is_initialized() else 0}
+    ps = _parallel_state()
+    getters = {
+        "tp": "get_tensor_model_parallel_rank",
+        "pp": "get_pipeline_model_parallel_rank",
+        "dp": "get_data_parallel_rank",
+        "cp": "get_context_parallel_rank",
+        "ep": "get_expert_model_parallel_rank",
+    }
+    for key, getter in getters.items():
+        ranks[key] = int(getattr(ps, getter)()) if ps is not None and hasattr(ps, getter) else 0
+    vpp = getattr(ps, "get_virtual_pipeline_model_parallel_rank", lambda: None)() if ps else None
+    ranks["vpp"] = int(vpp) if vpp is not None else 0
+    return ranks
+
+
+def world_layout() -> dict[str, int]:
+    """{size, tp, pp, dp, cp, ep} sizes of the job."""
+    size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    ps = _parallel_state()
+    if ps is None:
+        return {"size": size, "tp": 1, "pp": 1, "dp": size, "cp": 1, "ep": 1}
+    return {
+        "size": size,
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+    }
+
+
+def host() -> str:
+    return socket.gethostname()
+
+
+def device_name() -> str:
+    """A human name for this rank's device: cuda:3 (NVIDIA H100 ...), npu:1, or cpu."""
+    try:
+        if hasattr(torch, "npu") and torch.npu.is_available():  # type: ignore[attr-defined]
+            return f"npu:{torch.npu.current_device()}"  # type: ignore[attr-defined]
+    except Exception:
+        pass
+    if torch.cuda.is_available():
+        index = torch.cuda.current_device()
+        return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+    return f"cpu (LOCAL_RANK={os.environ.get('LOCAL_RANK', '0')})"
+
+
+def name_parameters(model_chunks: list) -> dict[int, ParamInfo]:
+    """``{id(param): ParamInfo}`` for every parameter of this rank's model chunks."""
+    ps = _parallel_state()
+    pp_rank = ps.get_pipeline_model_parallel_rank() if ps else 0
+    pp_size = ps.get_pipeline_model_parallel_world_size() if ps else 1
+    tp_rank = ps.get_tensor_model_parallel_rank() if ps else 0
+    infos: dict[int, ParamInfo] = {}
+    for chunk_index, chunk in enumerate(model_chunks):
+        model = _unwrap(chunk)
+        # Stage-local "layers.i" -> global "layers.(layer_number-1)".
+        renames = {}
+        for mod_name, module in model.named_modules():
+            match = _LAYER_PATH.match(mod_name)
+            number = getattr(module, "layer_number", None)
+            if match and isinstance(number, int):
+                renames[mod_name + "."] = f"{match['prefix']}.{number - 1}."
+        stage = chunk_index * pp_size + pp_rank
+        for position, (raw_name, param) in enumerate(model.named_parameters()):
+            name = _strip_wrappers(raw_name)
+            for old, new in renames.items():
+                if name.startswith(old):
+                    name = new + name[len(old):]
+                    break
+            layer_match = _LAYER_IN_NAME.search(name)
+            tp_param = bool(getattr(param, "tensor_model_parallel", False))
+            infos[id(param)] = ParamInfo(
+                name=name,
+                layer=int(layer_match.group(1)) if layer_match else None,
+                order=stage * _STAGE_STRIDE + position,
+                counts_in_norm=(tp_param or tp_rank == 0) and not getattr(param, "shared", False),
+            )
+    return infos

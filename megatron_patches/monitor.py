@@ -1,0 +1,427 @@
+"""The gradient check that runs right before clipping.
+
+Per checked step the fast path costs one fused pass over the gradients
+(``torch._foreach_norm``, two in saturation mode), one small all-reduce of a few flags and
+per-layer sums, and one host read. Only when a flag is up does the slow path look inside the
+offending tensors, gather every rank's findings to rank 0 (which writes one incident record)
+and broadcast the decision, so that all ranks act alike and none waits in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import hooks, locate
+from .config import Config
+from .incidents import (
+    HISTORY_FILE,
+    HISTORY_SCHEMA,
+    INCIDENTS_FILE,
+    JsonlWriter,
+    ParamFinding,
+    finite_or_none,
+    make_record,
+)
+from .inject import Injector, parse_spec
+
+log = logging.getLogger("megatron_patches")
+
+# Slots of the reduced vector ahead of the per-layer sums of squares.
+_NONFINITE, _OVER_PARAM, _SATURATED, _TOTAL_SQ, _HEAD = 0, 1, 2, 3, 4
+
+
+@dataclass
+class _Entry:
+    """One optimizer parameter this rank holds, with where it comes from."""
+
+    main: torch.Tensor
+    model: torch.Tensor
+    info: locate.ParamInfo
+    shard: bool
+    weight: float
+    """Factor on its squared norm so that the world-wide sum counts each element once."""
+    slot: int
+    """Index into the per-layer sums: layer i -> i, embedding -> L, output side -> L + 1."""
+
+
+def _leaves(optimizer: Any) -> list:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _param_pairs(leaf: Any):
+    """(main param the optimizer steps, model param it belongs to, is_shard) of one leaf."""
+    if getattr(leaf, "is_stub_optimizer", False) or getattr(leaf, "optimizer", None) is None:
+        return
+    if hasattr(leaf, "shard_fp32_from_float16_groups"):  # DistributedOptimizer
+        for models, mains in zip(leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups):
+            yield from ((s, m, True) for m, s in zip(models, mains))
+        for models, mains in zip(leaf.model_fp32_groups, leaf.shard_fp32_groups):
+            yield from ((s, m, True) for m, s in zip(models, mains))
+    elif hasattr(leaf, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
+        for models, mains in zip(leaf.float16_groups, leaf.fp32_from_float16_groups):
+            yield from ((s, m, False) for m, s in zip(models, mains))
+        for group in leaf.fp32_from_fp32_groups:
+            yield from ((p, p, False) for p in group)
+    else:  # FP32Optimizer: the optimizer steps the model parameters themselves
+        for group in leaf.optimizer.param_groups:
+            yield from ((p, p, False) for p in group["params"])
+
+
+def _uses_decoupled_grad(leaf: Any) -> bool:
+    return bool(getattr(leaf.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
+
+
+def resolve_overflow_mode(mode: str) -> str:
+    """'auto' -> what the device does: saturation on Ascend parts that saturate, else ieee."""
+    if mode != "auto":
+        return mode
+    try:
+        import torch_npu  # type: ignore
+
+        supports = getattr(getattr(torch_npu.npu, "utils", None), "is_support_inf_nan", None)
+        if supports is not None and not supports():
+            return "saturation"
+    except Exception:
+        pass
+    return "ieee"
+
+
+class GradMonitor:
+    """Checks the gradients an optimizer is about to clip and apply.
+
+    Created and activated by :func:`megatron_patches.install`; the hooks call
+    :meth:`after_prepare_grads` and :meth:`before_grad_reduction`.
+    """
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.overflow_mode = resolve_overflow_mode(config.overflow_mode)
+        self.injector = Injector([parse_spec(s) for s in config.inject])
+        self.report_dir = os.path.abspath(config.report_dir)
+        self._incidents: Optional[JsonlWriter] = None
+        self._history: Optional[JsonlWriter] = None
+        self._history_lines = 0
+        self._step = 0
+        self._step_set = False
+        self._batch: list[int] = []
+        self._entries: "weakref.WeakKeyDictionary[Any, list[_Entry]]" = weakref.WeakKeyDictionary()
+        self._num_slots: dict[int, int] = {}
+        self._static: dict[tuple, tuple] = {}
+        self._prepared: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._consecutive_overflows = 0
+        self.listeners: list[Callable[[dict, dict], None]] = []
+        """Called on every rank after a decision: ``fn(decision, record_or_empty)``."""
+        self.counters = {
+            "checked_steps": 0,
+            "skipped_steps": 0,
+            "incidents": 0,
+            "scaler_overflows": 0,
+            "injected": 0,
+        }
+        self.last_total_norm: Optional[float] = None
+
+    @property
+    def rank(self) -> int:
+        # Read each time: the monitor is usually made before torch.distributed starts.
+        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+    # --- what the training loop may tell us ---------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    def set_step(self, step: int) -> None:
+        """Name the optimizer step about to run (1-based, as Megatron prints iterations).
+        Without it the monitor counts ``prepare_grads`` calls itself."""
+        self._step = int(step)
+        self._step_set = True
+
+    def set_batch(self, sample_indices: list[int]) -> None:
+        """The dataset indices this rank feeds in the current step (for incident records)."""
+        self._batch = list(sample_indices)
+
+    # --- hooks ---------------------------------------------------------------------------
+
+    def after_prepare_grads(self, optimizer: Any, found_inf: bool) -> bool:
+        """Run after Megatron's ``prepare_grads``; returns True to skip the update."""
+        if not self._step_set:
+            self._step += 1
+        self._step_set = False
+        self._prepared.add(optimizer)
+        step = self._step
+        if found_inf:  # fp16: the loss scaler found an overflow and will skip the step
+            return self._scaler_overflow(optimizer, step)
+        self._consecutive_overflows = 0
+        entries = self._entries_for(optimizer)
+        if self.injector:
+            grads = [(e.info.name, e.info.order, g) for e, g in self._grads(optimizer, entries) if g is not None]
+            self.counters["injected"] += len(self.injector.apply(step, "grad", self.rank, grads))
+        if step % self.config.check_interval:
+            return False
+        return self._check(optimizer, entries, step)
+
+    def before_direct_clip(self, optimizer: Any) -> None:
+        """``clip_grad_norm`` called without ``prepare_grads`` first: check, zero bad grads."""
+        if optimizer in self._prepared:
+            self._prepared.discard(optimizer)
+            return
+        entries = self._entries_for(optimizer)
+        if self._check(optimizer, entries, self._step, action="zero_grads"):
+            for _, grad in self._grads(optimizer, entries):
+                if grad is not None:
+                    grad.zero_()
+
+    def before_grad_reduction(self, model_chunks: Any) -> None:
+        """Runs before the data-parallel reduction: phase=local drills corrupt here."""
+        if not self.injector:
+            return
+        chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+        infos = locate.name_parameters(chunks)
+        step = self._step + (0 if self._step_set else 1)
+        grads = []
+        for chunk in chunks:
+            for param in chunk.parameters():
+                grad = getattr(param, "main_grad", None)
+                grad = grad if grad is not None else param.grad
+                if grad is not None and id(param) in infos:
+                    grads.append((infos[id(param)].name, infos[id(param)].order, grad))
+        self.counters["injected"] += len(self.injector.apply(step, "local", self.rank, grads))
+
+    # --- fast path -----------------------------------------------------------------------
+
+    def _entries_for(self, optimizer: Any) -> list[_Entry]:
+        entries = self._entries.get(optimizer)
+        if entries is not None:
+            return entries
+        chunks = hooks.model_chunks_for(optimizer) or []
+        infos = locate.name_parameters(chunks)
+        num_layers = max((locate.num_layers(c) for c in chunks), default=0)
+        ps = locate._parallel_state()
+        dense_dp = ps.get_data_parallel_world_size(with_context_parallel=True) if ps else 1
+        expert_dp = ps.get_expert_data_parallel_world_size() if ps and hasattr(ps, "get_expert_data_parallel_world_size") else 1
+        entries = []
+        for leaf in _leaves(optimizer):
+            for index, (main, model, shard) in enumerate(_param_pairs(leaf)):
+                info = infos.get(id(model)) or locate.ParamInfo(
+                    name=f"unnamed[{index}] {tuple(model.shape)}", layer=None, order=index, counts_in_norm=True)
+                replicas = 1 if shard else (dense_dp if getattr(model, "allreduce", True) else expert_dp)
+                if info.layer is not None and info.layer < num_layers:
+                    slot = info.layer
+                else:
+                    slot = num_layers if info.name.startswith("embedding") else num_layers + 1
+                entries.append(_Entry(main, model, info, shard, (1.0 / replicas) if info.counts_in_norm else 0.0, slot))
+        self._entries[optimizer] = entries
+        self._num_slots[id(optimizer)] = num_layers + 2
+        return entries
+
+    def _grads(self, optimizer: Any, entries: list[_Entry]):
+        decoupled = {id(leaf): _uses_decoupled_grad(leaf) for leaf in _leaves(optimizer)}
+        use_decoupled = any(decoupled.values())
+        for e in entries:
+            yield e, (getattr(e.main, "decoupled_grad", None) if use_decoupled else e.main.grad)
+
+    def _static_tensors(self, optimizer: Any, live: list[_Entry], device: torch.device):
+        key = (id(optimizer), len(live), device)
+        cached = self._static.get(key)
+        if cached is None:
+            weights = torch.tensor([e.weight for e in live], dtype=torch.float32, device=device)
+            slots = torch.tensor([e.slot for e in live], dtype=torch.long, device=device)
+            limits = torch.tensor([torch.finfo(e.model.dtype).max if e.model.dtype.is_floating_point else math.inf
+                                   for e in live], dtype=torch.float32, device=device)
+            cached = self._static[key] = (weights, slots, limits)
+        return cached
+
+    def _local_stats(self, optimizer: Any, entries: list[_Entry]):
+        """Per-parameter norms on the device and the vector to all-reduce."""
+        pairs = [(e, g) for e, g in self._grads(optimizer, entries) if g is not None and g.numel() > 0]
+        live = [e for e, _ in pairs]
+        grads = [g for _, g in pairs]
+        device = grads[0].device if grads else _collective_device()
+        num_slots = self._num_slots[id(optimizer)]
+        vec = torch.zeros(_HEAD + num_slots, dtype=torch.float32, device=device)
+        if not grads:
+            return live, grads, None, None, vec
+        weights, slots, limits = self._static_tensors(optimizer, live, device)
+        norms = torch.stack(torch._foreach_norm(grads)).float()
+        detectors = self.config.detectors
+        if detectors.nonfinite.enabled:
+            vec[_NONFINITE] = (~torch.isfinite(norms)).sum()
+        if detectors.magnitude.enabled and detectors.magnitude.param_norm_max is not None:
+            vec[_OVER_PARAM] = (norms > detectors.magnitude.param_norm_max).sum()
+        maxabs = None
+        if self.overflow_mode == "saturation":
+            maxabs = torch.stack(torch._foreach_norm(grads, float("inf"))).float()
+            vec[_SATURATED] = (maxabs >= limits).sum()
+        squares = norms.square() * weights
+        vec[_TOTAL_SQ] = squares.sum()
+        vec[_HEAD:].index_add_(0, slots, squares)
+        return live, grads, norms, maxabs, vec
+
+    def _check(self, optimizer: Any, entries: list[_Entry], step: int, action: str = "skip_step") -> bool:
+        live, grads, norms, maxabs, vec = self._local_stats(optimizer, entries)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(vec)  # every rank joins, stub optimizers included
+        values = vec.tolist()  # the one host read of a checked step
+        self.counters["checked_steps"] += 1
+        total_norm = math.sqrt(values[_TOTAL_SQ]) if values[_TOTAL_SQ] >= 0 else float("nan")
+        self.last_total_norm = total_norm
+        self._write_history(step, total_norm, values[_HEAD:])
+        magnitude = self.config.detectors.magnitude
+        total_over = (magnitude.enabled and magnitude.total_norm_max is not None
+                      and not total_norm <= magnitude.total_norm_max and values[_NONFINITE] == 0)
+        if not (values[_NONFINITE] or values[_OVER_PARAM] or values[_SATURATED] or total_over):
+            return False
+        return self._incident(step, live, grads, norms, maxabs, total_norm, total_over, action)
+
+    # --- slow path -----------------------------------------------------------------------
+
+    def _findings(self, live, grads, norms, maxabs, total_over) -> list[ParamFinding]:
+        if norms is None:
+            return []
+        norm_list = norms.tolist()
+        max_list = maxabs.tolist() if maxabs is not None else None
+        limit = self.config.detectors.magnitude.param_norm_max
+        ranks, host, device = locate.rank_info(), locate.host(), locate.device_name()
+        picked = []
+        for i, (entry, grad, norm) in enumerate(zip(live, grads, norm_list)):
+            reasons = []
+            if not math.isfinite(norm):
+                reasons.append("nonfinite")
+            if limit is not None and math.isfinite(norm) and norm > limit:
+                reasons.append("magnitude")
+            if max_list is not None and max_list[i] >= torch.finfo(entry.model.dtype).max:
+                reasons.append("overflow")
+            if reasons:
+                picked.append((i, reasons))
+        if total_over and not picked and norm_list:
+            biggest = max(range(len(norm_list)), key=lambda i: norm_list[i])
+            picked.append((biggest, ["magnitude_total"]))
+        findings = []
+        for i, reasons in picked:
+            entry, grad = live[i], grads[i]
+            nan = int(torch.isnan(grad).sum())
+            inf = int(torch.isinf(grad).sum())
+            overflow = 0
+            if "overflow" in reasons:
+                overflow = int((grad.abs() >= torch.finfo(entry.model.dtype).max).sum())
+            if "nonfinite" in reasons:
+                reasons = [r for r in reasons if r != "nonfinite"] + (["nan"] if nan else []) + (["inf"] if inf else [])
+            findings.append(ParamFinding(
+                name=entry.info.name, layer=entry.info.layer, shape=list(entry.model.shape),
+                nan=nan, inf=inf, overflow=overflow, norm=finite_or_none(norm_list[i]), ranks=ranks,
+                host=host, device=device, order=entry.info.order, shard=entry.shard, reasons=reasons))
+        return findings
+
+    def _incident(self, step, live, grads, norms, maxabs, total_norm, total_over, action) -> bool:
+        mine = {"findings": self._findings(live, grads, norms, maxabs, total_over), "batch": self._batch}
+        everyone = _gather_to_zero(mine)
+        decision: dict[str, Any] = {"action": action, "severity": "warning"}
+        record: dict = {}
+        if self.rank == 0:
+            findings = [f for part in everyone for f in part["findings"]]
+            reasons = {r for f in findings for r in f.reasons}
+            kinds = [k for k in ("nan", "inf", "overflow", "magnitude") if k in reasons or
+                     (k == "magnitude" and "magnitude_total" in reasons)]
+            kind = kinds[0] if kinds else "magnitude"
+            samples = sorted({i for part in everyone for i in part["batch"]})
+            record = make_record(
+                step=step, severity=decision["severity"], kind=kind, kinds=kinds, action=action,
+                message=_describe(kind, findings, total_norm), params=findings,
+                ranks_affected=[f.ranks["global"] for f in findings], world=locate.world_layout(),
+                total_norm=finite_or_none(total_norm), batch={"samples": samples},
+                injected=[s.text for s in self.injector.specs if s.covers(step)],
+            )
+            self._write_incident(record)
+            log.warning("step %d: %s -> %s", step, record["message"], action)
+        decision = _broadcast_from_zero(decision)
+        self.counters["incidents"] += 1
+        if decision["action"] == "skip_step":
+            self.counters["skipped_steps"] += 1
+        for listener in self.listeners:
+            listener(decision, record)
+        return decision["action"] != "continue"
+
+    def _scaler_overflow(self, optimizer: Any, step: int) -> bool:
+        self.counters["scaler_overflows"] += 1
+        self._consecutive_overflows += 1
+        settings = self.config.detectors.loss_scale
+        scaler = next((getattr(l, "grad_scaler", None) for l in _leaves(optimizer)
+                       if getattr(l, "grad_scaler", None) is not None), None)
+        scale = float(scaler.scale) if scaler is not None else None
+        collapsed = scale is not None and scale <= settings.min_scale
+        if settings.enabled and (collapsed or self._consecutive_overflows >= settings.max_consecutive_skips):
+            why = (f"loss scale collapsed to {scale:g}" if collapsed else
+                   f"{self._consecutive_overflows} consecutive overflow skips (loss scale {scale:g})")
+            self.counters["incidents"] += 1
+            if self.rank == 0:
+                self._write_incident(make_record(
+                    step=step, severity="warning", kind="loss_scale", kinds=["loss_scale"],
+                    action="skip_step", message=why, params=[], ranks_affected=[],
+                    world=locate.world_layout(), loss_scale=scale, batch={"samples": self._batch}))
+                log.warning("step %d: %s", step, why)
+            self._consecutive_overflows = 0
+        return True
+
+    # --- files ---------------------------------------------------------------------------
+
+    def _write_incident(self, record: dict) -> None:
+        if self._incidents is None:
+            self._incidents = JsonlWriter(os.path.join(self.report_dir, INCIDENTS_FILE))
+        self._incidents.write(record)
+
+    def _write_history(self, step: int, total_norm: float, layer_sq: list[float]) -> None:
+        if self.rank != 0 or not self.config.grad_history:
+            return
+        if self._history is None:
+            self._history = JsonlWriter(os.path.join(self.report_dir, HISTORY_FILE), fsync=False)
+        if self._history_lines >= self.config.grad_history_max_lines:
+            os.replace(self._history.path, self._history.path + ".1")
+            self._history_lines = 0
+        names = [str(i) for i in range(len(layer_sq) - 2)] + ["embedding", "output"]
+        self._history.write({
+            "schema": HISTORY_SCHEMA, "step": step, "total_norm": finite_or_none(total_norm),
+            "layers": {n: finite_or_none(math.sqrt(v)) if v >= 0 else None for n, v in zip(names, layer_sq)},
+        })
+        self._history_lines += 1
+
+
+def _describe(kind: str, findings: list[ParamFinding], total_norm: float) -> str:
+    if not findings:
+        return f"{kind} in gradients (total norm {total_norm:.4g})"
+    first = max(findings, key=lambda f: f.order)
+    ranks = sorted({f.ranks["global"] for f in findings})
+    return (f"{kind} gradient first at {first.name} (layer {first.layer}, rank {first.ranks['global']}); "
+            f"{len({f.name for f in findings})} parameter(s) on rank(s) {ranks}")
+
+
+def _collective_device() -> torch.device:
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() != "gloo":
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        if hasattr(torch, "npu"):
+            return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
+    return torch.device("cpu")
+
+
+def _gather_to_zero(obj: Any) -> list:
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return [obj]
+    out = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
+    torch.distributed.gather_object(obj, out, dst=0)
+    return out or []
+
+
+def _broadcast_from_zero(obj: Any) -> Any:
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,138 @@
+"""Faults injected into real trainings are caught before clipping, named and skipped."""
+
+import pytest
+
+from conftest import assert_trained, run_tiny
+
+
+def only_incident(run):
+    incidents = run.incidents
+    assert len(incidents) == 1, incidents
+    return incidents[0]
+
+
+def assert_caught(run, *, step, name, layer, ranks, kind="nan"):
+    result = assert_trained(run)
+    record = only_incident(run)
+    assert record["schema"] == "megatron_patches.incident/1"
+    assert (record["step"], record["kind"], record["action"]) == (step, kind, "skip_step")
+    assert record["first"]["name"] == name
+    assert record["first"]["layer"] == layer
+    for key, value in ranks.items():
+        assert record["first"]["ranks"][key] == value, (key, record["first"]["ranks"])
+    assert result["skipped_steps"] == 1 and result["incidents"] == 1
+    return record
+
+
+def test_fp32_nan_named_and_skipped(tmp_path):
+    name = "decoder.layers.1.self_attention.linear_qkv.weight"
+    run = run_tiny(tmp_path, "--steps", "25", "--inject", f"nan:step=5,param={name}")
+    record = assert_caught(run, step=5, name=name, layer=1, ranks={"global": 0, "tp": 0, "pp": 0, "dp": 0})
+    assert record["first"]["nan"] == 1 and record["first"]["norm"] is None
+    assert record["first"]["shape"] == [192, 64]
+    assert len(record["batch"]["samples"]) == 8  # 2 micro-batches of 4
+
+
+def test_bf16_float16_optimizer_nan(tmp_path):
+    name = "decoder.layers.0.mlp.linear_fc2.weight"
+    run = run_tiny(tmp_path, "--steps", "25", "--precision", "bf16", "--inject", f"nan:step=4,param={name}")
+    assert_caught(run, step=4, name=name, layer=0, ranks={"global": 0})
+
+
+@pytest.mark.multiproc
+def test_bf16_distributed_optimizer_nan_in_a_shard(tmp_path):
+    name = "decoder.layers.1.mlp.linear_fc1.weight"
+    run = run_tiny(tmp_path, "--steps", "25", "--precision", "bf16", "--distributed-optimizer",
+                   "--inject", f"nan:step=6,param={name}", nproc=2)
+    record = assert_caught(run, step=6, name=name, layer=1, ranks={"pp": 0, "tp": 0})
+    assert all(p["shard"] for p in record["params"])
+    assert {p["name"] for p in record["params"]} == {name}
+
+
+@pytest.mark.multiproc
+def test_tp2_nan_on_tensor_parallel_rank_1(tmp_path):
+    name = "decoder.layers.0.mlp.linear_fc1.weight"
+    run = run_tiny(tmp_path, "--steps", "25", "--tp", "2", "--inject", f"nan:step=7,param={name},rank=1", nproc=2)
+    record = assert_caught(run, step=7, name=name, layer=0, ranks={"global": 1, "tp": 1, "pp": 0, "dp": 0})
+    assert record["ranks_affected"] == [1]
+    # linear_fc1 is column-parallel: each TP rank holds half of the 4*64 rows.
+    assert record["first"]["shape"] == [128, 64]
+
+
+@pytest.mark.multiproc
+def test_pp2_nan_in_second_stage_uses_global_layer_name(tmp_path):
+    # On stage 1 of a 4-layer model this parameter is stage-local "decoder.layers.1...".
+    name = "decoder.layers.3.mlp.linear_fc2.weight"
+    run = run_tiny(tmp_path, "--steps", "25", "--pp", "2", "--layers", "4",
+                   "--inject", f"nan:step=5,param={name}", nproc=2)
+    assert_caught(run, step=5, name=name, layer=3, ranks={"global": 1, "pp": 1})
+
+
+@pytest.mark.multiproc
+def test_dp2_local_fault_spreads_through_the_reduction(tmp_path):
+    name = "decoder.layers.1.self_attention.linear_proj.weight"
+    run = run_tiny(tmp_path, "--steps", "25", "--inject", f"nan:step=8,param={name},rank=1,phase=local", nproc=2)
+    record = assert_caught(run, step=8, name=name, layer=1, ranks={"pp": 0})
+    # The all-reduce copied rank 1's NaN into rank 0's replica: both report it.
+    assert record["ranks_affected"] == [0, 1]
+
+
+def test_inf_and_first_offender_is_nearest_the_output(tmp_path):
+    early, late = "decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.mlp.linear_fc2.weight"
+    run = run_tiny(tmp_path, "--steps", "25", "--inject", f"inf:step=3,param={early}",
+                   "--inject", f"inf:step=3,param={late}")
+    record = assert_caught(run, step=3, name=late, layer=1, ranks={"global": 0}, kind="inf")
+    assert [p["name"] for p in record["params"]] == [late, early]
+    assert record["first"]["inf"] == 1 and record["first"]["nan"] == 0
+
+
+def test_spike_over_param_threshold_is_magnitude(tmp_path):
+    config = tmp_path / "guard.yaml"
+    config.write_text("detectors:\n  magnitude:\n    param_norm_max: 50.0\n")
+    name = "decoder.layers.1.mlp.linear_fc1.weight"
+    run = run_tiny(tmp_path / "out", "--steps", "25", "--config", str(config),
+                   "--inject", f"spike:step=6,param={name},factor=1e5")
+    record = assert_caught(run, step=6, name=name, layer=1, ranks={"global": 0}, kind="magnitude")
+    assert record["first"]["norm"] > 50.0
+
+
+def test_saturation_mode_counts_max_values_as_overflow(tmp_path):
+    config = tmp_path / "guard.yaml"
+    config.write_text("overflow_mode: saturation\n")
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    run = run_tiny(tmp_path / "out", "--steps", "25", "--precision", "bf16", "--config", str(config),
+                   "--inject", f"saturate:step=4,param={name}")
+    record = assert_caught(run, step=4, name=name, layer=0, ranks={"global": 0}, kind="overflow")
+    assert record["first"]["overflow"] == 1 and record["first"]["nan"] == record["first"]["inf"] == 0
+
+
+def test_check_interval_skips_unchecked_steps(tmp_path):
+    config = tmp_path / "guard.yaml"
+    config.write_text("check_interval: 2\ngrad_history: true\n")
+    name = "decoder.layers.1.mlp.linear_fc1.weight"
+    run = run_tiny(tmp_path / "out", "--steps", "20", "--config", str(config), "--inject", f"nan:step=4,param={name}")
+    assert_caught(run, step=4, name=name, layer=1, ranks={"global": 0})
+    assert run.result["monitor"]["checked_steps"] == 10
+    history = (tmp_path / "out" / "grad_history.jsonl").read_text().splitlines()
+    assert len(history) == 10
+
+
+@pytest.mark.multiproc
+def test_fp16_scaler_overflow_is_counted_not_reported(tmp_path):
+    run = run_tiny(tmp_path, "--steps", "25", "--precision", "fp16",
+                   "--inject", "inf:step=5,param=decoder.layers.0.mlp.linear_fc1.weight,phase=local,rank=0", nproc=2)
+    result = assert_trained(run)
+    assert run.incidents == []
+    assert result["monitor"]["scaler_overflows"] >= 1 and result["skipped_steps"] >= 1
+
+
+def test_fp16_repeated_overflows_are_a_loss_scale_incident(tmp_path):
+    config = tmp_path / "guard.yaml"
+    config.write_text("detectors:\n  loss_scale:\n    max_consecutive_skips: 3\n")
+    run = run_tiny(tmp_path / "out", "--steps", "25", "--precision", "fp16", "--config", str(config),
+                   "--inject", "inf:step=5,count=3,param=decoder.layers.0.mlp.linear_fc1.weight,phase=local")
+    result = assert_trained(run)
+    record = only_incident(run)
+    assert (record["kind"], record["step"]) == ("loss_scale", 7)
+    assert "3 consecutive overflow skips" in record["message"]
+    assert result["monitor"]["scaler_overflows"] >= 3

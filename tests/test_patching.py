@@ -1,0 +1,96 @@
+"""The patch mechanism: idempotent, reversible, refuses unsupported megatron-core."""
+
+import inspect
+import logging
+
+import pytest
+import wrapt
+
+from megatron_patches import hooks, patching, runtime
+from megatron_patches.config import Config
+from megatron_patches.errors import UnsupportedVersionError
+from megatron_patches.patching.registry import TARGETS
+
+
+def _current(target):
+    owner, name = patching._resolve(target.module, target.qualname)
+    return owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+
+
+def test_install_twice_adds_nothing_and_uninstall_restores(clean_patches, caplog):
+    originals = {t.dotted: _current(t) for t in TARGETS}
+    with caplog.at_level(logging.INFO, logger="megatron_patches"):
+        first = patching.install()
+        second = patching.install()
+    assert sorted(first) == sorted(t.dotted for t in TARGETS)
+    assert second == []
+    assert sum("patched megatron.core.optimizer.optimizer.FP32Optimizer.prepare_grads" in r.message
+               for r in caplog.records) == 1
+    for target in TARGETS:
+        wrapped = _current(target)
+        assert isinstance(wrapped, wrapt.FunctionWrapper)
+        assert wrapped.__wrapped__ is originals[target.dotted]
+    patching.uninstall()
+    assert {t.dotted: _current(t) for t in TARGETS} == originals
+
+
+def test_reexported_name_is_wrapped_too(clean_patches):
+    import megatron.core.distributed as dist_pkg
+
+    with patching.patched():
+        assert isinstance(dist_pkg.finalize_model_grads, wrapt.FunctionWrapper)
+    assert not isinstance(dist_pkg.finalize_model_grads, wrapt.FunctionWrapper)
+
+
+def test_wrapper_keeps_signature(clean_patches):
+    from megatron.core.optimizer import optimizer as opt
+
+    before = inspect.signature(opt.MegatronOptimizer.clip_grad_norm)
+    with patching.patched():
+        assert inspect.signature(opt.MegatronOptimizer.clip_grad_norm) == before
+
+
+def test_patch_on_top_of_ours_is_left_alone_and_named(clean_patches, caplog):
+    from megatron.core.optimizer import optimizer as opt
+
+    patching.install()
+    ours = opt.FP32Optimizer.__dict__["prepare_grads"]
+
+    def someone_else(self):
+        return ours(self)
+
+    opt.FP32Optimizer.prepare_grads = someone_else
+    try:
+        with caplog.at_level(logging.WARNING, logger="megatron_patches"):
+            patching.uninstall()
+        assert opt.FP32Optimizer.__dict__["prepare_grads"] is someone_else
+        assert any("FP32Optimizer.prepare_grads was patched again on top of ours" in r.message
+                   for r in caplog.records)
+    finally:
+        opt.FP32Optimizer.prepare_grads = ours.__wrapped__
+
+
+@pytest.mark.parametrize("version", ["0.11.0", "0.17.0"])
+def test_unsupported_megatron_core_is_refused(clean_patches, version):
+    with pytest.raises(UnsupportedVersionError, match=f"megatron-core {version} is not supported"):
+        patching.install(version=version)
+    assert patching.installed_targets() == []
+
+
+def test_disabled_config_installs_nothing(clean_patches):
+    assert runtime.install(Config.from_dict({"enabled": False})) is None
+    assert patching.installed_targets() == [] and hooks.get_monitor() is None
+
+
+def test_source_patch_decorator_is_not_wrapped_twice(clean_patches):
+    from megatron.core.optimizer import optimizer as opt
+
+    original = opt.FP32Optimizer.__dict__["prepare_grads"]
+    opt.FP32Optimizer.prepare_grads = hooks.checked_prepare_grads(original)
+    try:
+        names = patching.install()
+        assert "megatron.core.optimizer.optimizer.FP32Optimizer.prepare_grads" not in names
+        assert opt.FP32Optimizer.__dict__["prepare_grads"].__megatron_patches__ is True
+    finally:
+        patching.uninstall()
+        opt.FP32Optimizer.prepare_grads = original
