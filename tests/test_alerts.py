@@ -1,0 +1,208 @@
+"""Alert sinks against real receivers: an HTTP server on 127.0.0.1, a shell command, a file."""
+
+import json
+import logging
+import shlex
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from megatron_patches.alerts import AlertDispatcher
+from megatron_patches.config import AlertsConfig, Config
+from megatron_patches.errors import ConfigError
+from megatron_patches.incidents import ParamFinding, make_record
+
+FC1 = "decoder.layers.3.mlp.linear_fc1.weight"
+
+
+def incident(step=37, severity="error"):
+    param = ParamFinding(
+        name=FC1, layer=3, shape=[256, 64], nan=1024, inf=0, overflow=0, norm=None,
+        ranks={"global": 3, "tp": 1, "pp": 1, "dp": 0, "cp": 0, "ep": 0, "vpp": 0},
+        host="node-1", device="cuda:1", order=20, reasons=["nan"],
+    )
+    return make_record(
+        step=step, severity=severity, kind="nan", kinds=["nan"], action="skip_step", message="NaN in 1 gradient",
+        params=[param], ranks_affected=[3], world={"size": 4, "tp": 2, "pp": 2, "dp": 1, "cp": 1, "ep": 1},
+    )
+
+
+def alerts(**fields):
+    return Config.from_dict({"alerts": {"backoff_s": 0.05, **fields}}).alerts
+
+
+class Receiver:
+    """A webhook receiver. /slow answers only when the test ends; /reject answers like Feishu on a bad token."""
+
+    def __init__(self):
+        self.posts = []
+        self.release = threading.Event()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                receiver.posts.append((self.path, self.headers["Content-Type"], json.loads(body)))
+                if self.path.startswith("/slow"):
+                    receiver.release.wait(30)
+                reply = b'{"code":19001,"msg":"token invalid"}' if self.path == "/reject" else b'{"code":0}'
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args):
+                pass
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            block_on_close = False
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def bodies(self, path):
+        return [body for p, _, body in self.posts if p == path]
+
+    def stop(self):
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def receiver():
+    r = Receiver()
+    yield r
+    r.stop()
+
+
+def closed_port_url():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/hook"
+
+
+def test_each_webhook_format_posts_its_body(receiver, tmp_path):
+    config = alerts(webhooks=[{"url": f"{receiver.url}/{fmt}", "format": fmt}
+                              for fmt in ("generic", "slack", "feishu", "dingtalk")])
+    dispatcher = AlertDispatcher(config, str(tmp_path))
+    record = incident()
+    dispatcher.submit(record)
+    stats = dispatcher.close(timeout=30)
+    assert (stats["sent"], stats["failed"], stats["dropped"]) == (4, 0, 0)
+
+    assert receiver.bodies("/generic") == [json.loads(json.dumps(record))]
+    assert all(ctype.startswith("application/json") for _, ctype, _ in receiver.posts)
+    (slack,) = receiver.bodies("/slack")
+    text = slack["text"]
+    assert set(slack) == {"text"}
+    assert "step 37 error nan" in text and FC1 in text and "global rank 3 (tp 1, pp 1, dp 0)" in text
+    assert receiver.bodies("/feishu") == [{"msg_type": "text", "content": {"text": text}}]
+    assert receiver.bodies("/dingtalk") == [{"msgtype": "text", "text": {"content": text}}]
+
+
+def test_unreachable_and_slow_webhooks_only_count_failures(receiver, tmp_path, caplog):
+    config = alerts(webhooks=[
+        {"url": closed_port_url(), "retries": 1},
+        {"url": f"{receiver.url}/slow-secret-token", "timeout_s": 0.3, "retries": 0},
+    ])
+    dispatcher = AlertDispatcher(config, str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="megatron_patches.alerts"):
+        dispatcher.submit(incident())  # returns at once; the training thread goes on
+        assert dispatcher.stats["sent"] == 0
+        stats = dispatcher.close(timeout=30)
+    assert (stats["sent"], stats["failed"], stats["dropped"]) == (0, 2, 0)
+    assert "not delivered to webhook[0] generic 127.0.0.1 after 2 attempt(s): cannot connect" in caplog.text
+    assert "not delivered to webhook[1] generic 127.0.0.1 after 1 attempt(s): no answer within timeout_s=0.3" \
+        in caplog.text
+    assert "secret-token" not in caplog.text  # webhook paths hold tokens and are never logged
+
+
+def test_full_queue_drops_the_oldest(receiver, tmp_path):
+    config = alerts(queue_size=2, webhooks=[{"url": f"{receiver.url}/slow", "timeout_s": 0.2, "retries": 0}])
+    dispatcher = AlertDispatcher(config, str(tmp_path))
+    for step in range(1, 6):
+        dispatcher.submit(incident(step=step))
+    stats = dispatcher.close(timeout=30)
+    assert stats["dropped"] >= 2
+    assert stats["failed"] + stats["dropped"] == 5
+    steps = [body["step"] for body in receiver.bodies("/slow")]
+    assert 5 in steps and len(steps) == stats["failed"]
+
+
+def test_rejection_in_a_200_reply_is_a_failure(receiver, tmp_path, caplog):
+    dispatcher = AlertDispatcher(alerts(webhooks=[{"url": f"{receiver.url}/reject", "format": "feishu",
+                                                   "retries": 0}]), str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="megatron_patches.alerts"):
+        dispatcher.submit(incident())
+        stats = dispatcher.close(timeout=30)
+    assert stats["failed"] == 1
+    assert "rejected by the receiver: code=19001 token invalid" in caplog.text
+
+
+def test_command_receives_the_incident_on_stdin(tmp_path):
+    out = tmp_path / "alert.json"
+    command = "sh -c " + shlex.quote(f"cat > {shlex.quote(str(out))}")
+    dispatcher = AlertDispatcher(alerts(command=command), str(tmp_path))
+    record = incident()
+    dispatcher.submit(record)
+    assert dispatcher.close(timeout=30)["sent"] == 1
+    written = json.loads(out.read_text())
+    assert written["first"]["name"] == FC1 and written["first"]["ranks"]["global"] == 3
+    assert written == json.loads(json.dumps(record))
+
+
+def test_failing_and_hanging_commands_are_counted(tmp_path, caplog):
+    failing = AlertDispatcher(alerts(command="echo no route to pager >&2; exit 3", command_retries=1), str(tmp_path))
+    hanging = AlertDispatcher(alerts(command="sleep 60", command_timeout_s=0.3), str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="megatron_patches.alerts"):
+        failing.submit(incident())
+        hanging.submit(incident())
+        assert failing.close(timeout=30)["failed"] == 1
+        assert hanging.close(timeout=30)["failed"] == 1
+    assert "after 2 attempt(s): exited with status 3: no route to pager" in caplog.text
+    assert "timed out after 0.3s (alerts.command_timeout_s); killed" in caplog.text
+
+
+def test_severity_routing_and_jsonl_under_report_dir(tmp_path, caplog):
+    dispatcher = AlertDispatcher(alerts(jsonl="alerts.jsonl", min_severity="critical"), str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="megatron_patches.alerts"):
+        dispatcher.submit(incident(step=1, severity="warning"))
+        dispatcher.submit(incident(step=2, severity="error"))
+        dispatcher.submit(incident(step=3, severity="critical"))
+        stats = dispatcher.close(timeout=30)
+    assert stats["sent"] == 1
+    lines = (tmp_path / "alerts.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [3]
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("incident")]
+    assert [m.split()[2] for m in logged] == ["1", "2", "3"]  # every severity is logged
+
+
+def test_submit_never_raises(tmp_path, caplog):
+    dispatcher = AlertDispatcher(alerts(jsonl="alerts.jsonl"), str(tmp_path))
+    bad = incident()
+    bad["first"]["norm"] = float("nan")  # not valid JSON
+    with caplog.at_level(logging.ERROR, logger="megatron_patches.alerts"):
+        dispatcher.submit(bad)
+    dispatcher.close(timeout=30)
+    dispatcher.submit(incident())  # after close: logged and counted, not raised
+    assert dispatcher.stats["failed"] == 1 and dispatcher.stats["dropped"] == 1
+    assert "could not be serialized" in caplog.text
+
+
+def test_alerts_config_rejects_what_cannot_work():
+    assert Config().alerts == AlertsConfig()
+    with pytest.raises(ConfigError, match=r"every entry of `alerts.webhooks` needs a `url`"):
+        Config.from_dict({"alerts": {"webhooks": [{"format": "slack"}]}})
+    with pytest.raises(ConfigError, match=r"`alerts.webhooks\[0\].format` must be one of 'generic', 'slack'"):
+        Config.from_dict({"alerts": {"webhooks": [{"url": "https://x.example", "format": "teams"}]}})
+    with pytest.raises(ConfigError, match=r"unknown config key alerts.webhooks\[0\].timeout "):
+        Config.from_dict({"alerts": {"webhooks": [{"url": "https://x.example", "timeout": 3}]}})
+    with pytest.raises(ConfigError, match=r"`alerts.queue_size` must be >= 1, got 0"):
+        Config.from_dict({"alerts": {"queue_size": 0}})
