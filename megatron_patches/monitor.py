@@ -18,8 +18,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import detectors as detector_plugins
 from . import hooks, locate
 from .config import Config
+from .detectors import CheckContext
 from .incidents import (
     HISTORY_FILE,
     HISTORY_SCHEMA,
@@ -104,6 +106,8 @@ class GradMonitor:
         self.config = config
         self.overflow_mode = resolve_overflow_mode(config.overflow_mode)
         self.injector = Injector([parse_spec(s) for s in config.inject])
+        self.detectors = detector_plugins.build(config)
+        self._detector_width = sum(d.width() for d in self.detectors)
         self.report_dir = os.path.abspath(config.report_dir)
         self._incidents: Optional[JsonlWriter] = None
         self._history: Optional[JsonlWriter] = None
@@ -148,6 +152,21 @@ class GradMonitor:
         """The dataset indices this rank feeds in the current step (for incident records)."""
         self._batch = list(sample_indices)
 
+    def state_dict(self) -> dict:
+        """What a checkpoint carries so a restart keeps its baselines and counters."""
+        return {
+            "step": self._step,
+            "counters": dict(self.counters),
+            "detectors": {d.name: d.state_dict() for d in self.detectors},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._step = int(state.get("step", self._step))
+        self.counters.update(state.get("counters", {}))
+        for detector in self.detectors:
+            if detector.name in state.get("detectors", {}):
+                detector.load_state_dict(state["detectors"][detector.name])
+
     # --- hooks ---------------------------------------------------------------------------
 
     def after_prepare_grads(self, optimizer: Any, found_inf: bool) -> bool:
@@ -181,11 +200,15 @@ class GradMonitor:
 
     def before_grad_reduction(self, model_chunks: Any) -> None:
         """Runs before the data-parallel reduction: phase=local drills corrupt here."""
-        if not self.injector:
-            return
         chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-        infos = locate.name_parameters(chunks)
         step = self._step + (0 if self._step_set else 1)
+        if self.injector:
+            self._inject_local(chunks, step)
+        for detector in self.detectors:
+            detector.before_reduction(chunks, step)
+
+    def _inject_local(self, chunks: list, step: int) -> None:
+        infos = locate.name_parameters(chunks)
         grads = []
         for chunk in chunks:
             for param in chunk.parameters():
@@ -239,73 +262,94 @@ class GradMonitor:
             cached = self._static[key] = (weights, slots, limits)
         return cached
 
-    def _local_stats(self, optimizer: Any, entries: list[_Entry]):
+    def _local_stats(self, optimizer: Any, entries: list[_Entry], step: int):
         """Per-parameter norms on the device and the vector to all-reduce."""
         pairs = [(e, g) for e, g in self._grads(optimizer, entries) if g is not None and g.numel() > 0]
         live = [e for e, _ in pairs]
         grads = [g for _, g in pairs]
         device = grads[0].device if grads else _collective_device()
         num_slots = self._num_slots[id(optimizer)]
-        vec = torch.zeros(_HEAD + num_slots, dtype=torch.float32, device=device)
-        if not grads:
-            return live, grads, None, None, vec
-        weights, slots, limits = self._static_tensors(optimizer, live, device)
-        norms = torch.stack(torch._foreach_norm(grads)).float()
-        detectors = self.config.detectors
-        if detectors.nonfinite.enabled:
-            vec[_NONFINITE] = (~torch.isfinite(norms)).sum()
-        if detectors.magnitude.enabled and detectors.magnitude.param_norm_max is not None:
-            vec[_OVER_PARAM] = (norms > detectors.magnitude.param_norm_max).sum()
+        vec = torch.zeros(_HEAD + num_slots + self._detector_width, dtype=torch.float32, device=device)
+        ctx = CheckContext(step=step, entries=live, grads=grads, norms=None, device=device)
         maxabs = None
-        if self.overflow_mode == "saturation":
-            maxabs = torch.stack(torch._foreach_norm(grads, float("inf"))).float()
-            vec[_SATURATED] = (maxabs >= limits).sum()
-        squares = norms.square() * weights
-        vec[_TOTAL_SQ] = squares.sum()
-        vec[_HEAD:].index_add_(0, slots, squares)
-        return live, grads, norms, maxabs, vec
+        if grads:
+            weights, slots, limits = self._static_tensors(optimizer, live, device)
+            norms = ctx.norms = torch.stack(torch._foreach_norm(grads)).float()
+            detectors = self.config.detectors
+            if detectors.nonfinite.enabled:
+                vec[_NONFINITE] = (~torch.isfinite(norms)).sum()
+            if detectors.magnitude.enabled and detectors.magnitude.param_norm_max is not None:
+                vec[_OVER_PARAM] = (norms > detectors.magnitude.param_norm_max).sum()
+            if self.overflow_mode == "saturation":
+                maxabs = torch.stack(torch._foreach_norm(grads, float("inf"))).float()
+                vec[_SATURATED] = (maxabs >= limits).sum()
+            squares = norms.square() * weights
+            vec[_TOTAL_SQ] = squares.sum()
+            vec[_HEAD:_HEAD + num_slots].index_add_(0, slots, squares)
+        offset = _HEAD + num_slots
+        for detector in self.detectors:
+            width = detector.width()
+            detector.local(ctx, vec[offset:offset + width])
+            offset += width
+        return ctx, maxabs, vec
 
     def _check(self, optimizer: Any, entries: list[_Entry], step: int, action: str = "skip_step") -> bool:
-        live, grads, norms, maxabs, vec = self._local_stats(optimizer, entries)
+        ctx, maxabs, vec = self._local_stats(optimizer, entries, step)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(vec)  # every rank joins, stub optimizers included
         values = vec.tolist()  # the one host read of a checked step
         self.counters["checked_steps"] += 1
+        num_slots = self._num_slots[id(optimizer)]
         total_norm = math.sqrt(values[_TOTAL_SQ]) if values[_TOTAL_SQ] >= 0 else float("nan")
-        self.last_total_norm = total_norm
-        self._write_history(step, total_norm, values[_HEAD:])
+        ctx.total_norm = self.last_total_norm = total_norm
+        layer_sq = values[_HEAD:_HEAD + num_slots]
+        ctx.layer_norms = [math.sqrt(v) if v >= 0 else float("nan") for v in layer_sq]
+        self._write_history(step, total_norm, layer_sq)
         magnitude = self.config.detectors.magnitude
         total_over = (magnitude.enabled and magnitude.total_norm_max is not None
                       and not total_norm <= magnitude.total_norm_max and values[_NONFINITE] == 0)
-        if not (values[_NONFINITE] or values[_OVER_PARAM] or values[_SATURATED] or total_over):
+        kinds = []
+        offset = _HEAD + num_slots
+        reduced = {}
+        for detector in self.detectors:
+            width = detector.width()
+            reduced[detector.name] = values[offset:offset + width]
+            kinds += detector.verdict(ctx, reduced[detector.name])
+            offset += width
+        if not (values[_NONFINITE] or values[_OVER_PARAM] or values[_SATURATED] or total_over or kinds):
+            for detector in self.detectors:
+                detector.commit(ctx, accepted=True)
             return False
-        return self._incident(step, live, grads, norms, maxabs, total_norm, total_over, action)
+        skip = self._incident(ctx, maxabs, total_over, kinds, reduced, action)
+        for detector in self.detectors:
+            detector.commit(ctx, accepted=not skip)
+        return skip
 
     # --- slow path -----------------------------------------------------------------------
 
-    def _findings(self, live, grads, norms, maxabs, total_over) -> list[ParamFinding]:
-        if norms is None:
+    def _findings(self, ctx: CheckContext, maxabs, total_over: bool) -> list[ParamFinding]:
+        if ctx.norms is None:
             return []
-        norm_list = norms.tolist()
+        live, grads = ctx.entries, ctx.grads
+        norm_list = ctx.norms.tolist()
         max_list = maxabs.tolist() if maxabs is not None else None
         limit = self.config.detectors.magnitude.param_norm_max
         ranks, host, device = locate.rank_info(), locate.host(), locate.device_name()
-        picked = []
-        for i, (entry, grad, norm) in enumerate(zip(live, grads, norm_list)):
-            reasons = []
+        picked: dict[int, list[str]] = {}
+        for i, (entry, norm) in enumerate(zip(live, norm_list)):
             if not math.isfinite(norm):
-                reasons.append("nonfinite")
+                picked.setdefault(i, []).append("nonfinite")
             if limit is not None and math.isfinite(norm) and norm > limit:
-                reasons.append("magnitude")
+                picked.setdefault(i, []).append("magnitude")
             if max_list is not None and max_list[i] >= torch.finfo(entry.model.dtype).max:
-                reasons.append("overflow")
-            if reasons:
-                picked.append((i, reasons))
+                picked.setdefault(i, []).append("overflow")
+        for detector in self.detectors:
+            for i, reasons in detector.suspects(ctx, norm_list).items():
+                picked.setdefault(i, []).extend(reasons)
         if total_over and not picked and norm_list:
-            biggest = max(range(len(norm_list)), key=lambda i: norm_list[i])
-            picked.append((biggest, ["magnitude_total"]))
+            picked[max(range(len(norm_list)), key=lambda i: norm_list[i])] = ["magnitude_total"]
         findings = []
-        for i, reasons in picked:
+        for i, reasons in sorted(picked.items()):
             entry, grad = live[i], grads[i]
             nan = int(torch.isnan(grad).sum())
             inf = int(torch.isinf(grad).sum())
@@ -320,24 +364,30 @@ class GradMonitor:
                 host=host, device=device, order=entry.info.order, shard=entry.shard, reasons=reasons))
         return findings
 
-    def _incident(self, step, live, grads, norms, maxabs, total_norm, total_over, action) -> bool:
-        mine = {"findings": self._findings(live, grads, norms, maxabs, total_over), "batch": self._batch}
+    def _incident(self, ctx: CheckContext, maxabs, total_over: bool, kinds: list, reduced: dict,
+                  action: str) -> bool:
+        step = ctx.step
+        mine = {"findings": self._findings(ctx, maxabs, total_over), "batch": self._batch}
         everyone = _gather_to_zero(mine)
         decision: dict[str, Any] = {"action": action, "severity": "warning"}
         record: dict = {}
         if self.rank == 0:
             findings = [f for part in everyone for f in part["findings"]]
             reasons = {r for f in findings for r in f.reasons}
-            kinds = [k for k in ("nan", "inf", "overflow", "magnitude") if k in reasons or
+            found = [k for k in ("nan", "inf", "overflow", "magnitude") if k in reasons or
                      (k == "magnitude" and "magnitude_total" in reasons)]
-            kind = kinds[0] if kinds else "magnitude"
+            found += [k for k in kinds if k not in found]
+            kind = found[0] if found else "magnitude"
             samples = sorted({i for part in everyone for i in part["batch"]})
+            extra: dict[str, Any] = {}
+            for detector in self.detectors:
+                extra.update(detector.extra(ctx, reduced[detector.name]))
             record = make_record(
-                step=step, severity=decision["severity"], kind=kind, kinds=kinds, action=action,
-                message=_describe(kind, findings, total_norm), params=findings,
+                step=step, severity=decision["severity"], kind=kind, kinds=found, action=action,
+                message=_describe(kind, findings, ctx.total_norm), params=findings,
                 ranks_affected=[f.ranks["global"] for f in findings], world=locate.world_layout(),
-                total_norm=finite_or_none(total_norm), batch={"samples": samples},
-                injected=[s.text for s in self.injector.specs if s.covers(step)],
+                total_norm=finite_or_none(ctx.total_norm), batch={"samples": samples},
+                injected=[s.text for s in self.injector.specs if s.covers(step)], **extra,
             )
             self._write_incident(record)
             log.warning("step %d: %s -> %s", step, record["message"], action)
