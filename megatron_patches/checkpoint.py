@@ -1,0 +1,168 @@
+"""Checkpoints through megatron-core's dist_checkpointing, marked healthy or not.
+
+A checkpoint is ``<root>/iter_0000012/``: model and optimizer as megatron-core sharded state
+dicts, plus the scheduler, the data position, the guard's state and every rank's RNG states
+(as ``ShardedObject``s, one per rank). It is saved under a temporary name and renamed when
+every rank has finished, so a directory named ``iter_*`` is always complete.
+
+``megatron_patches.json`` beside the data says whether the checkpoint is *healthy*: no
+incident since the previous healthy checkpoint and every parameter finite on every rank.
+Retention never deletes the newest healthy checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from typing import Any, Optional
+
+import torch
+
+MARKER = "megatron_patches.json"
+_PREFIX = "iter_"
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def rng_state() -> dict:
+    """Every RNG a training step draws from, on this rank."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
+    }
+    try:
+        import numpy
+
+        state["numpy"] = numpy.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _inner(model: Any) -> Any:
+    """The module inside DDP: its state-dict keys carry no ``module.`` prefix."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _sharded_state(model: Any, optimizer: Any, is_loading: bool) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    model_sd = _inner(model).sharded_state_dict()
+    return {
+        "model": model_sd,
+        # dp_reshardable: each rank saves its own distributed-optimizer buffers as they are
+        # (megatron-core 0.16's default format rejects flattened ranges at save time).
+        "optimizer": optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}),
+        "rng": ShardedObject("megatron_patches.rng", None if is_loading else rng_state(),
+                             (_world(),), (_rank(),), replica_id=0),
+    }
+
+
+def checkpoint_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"{_PREFIX}{step:07d}")
+
+
+def save_checkpoint(root: str, step: int, model: Any, optimizer: Any, scheduler: Any, extra: dict,
+                    healthy: bool, keep: int = 3) -> str:
+    """Save on every rank (collective); returns the checkpoint directory.
+
+    ``extra`` (scheduler-independent, identical on all ranks: data position, guard state...)
+    is stored in the common part. ``healthy`` must be the same on every rank."""
+    from megatron.core import dist_checkpointing
+
+    final = checkpoint_dir(root, step)
+    tmp = os.path.join(root, f".tmp_{_PREFIX}{step:07d}")
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    state = _sharded_state(model, optimizer, is_loading=False)
+    state["common"] = {"step": step, "scheduler": scheduler.state_dict(), **extra}
+    dist_checkpointing.save(state, tmp)
+    _barrier()
+    if _rank() == 0:
+        with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as handle:
+            json.dump({"step": step, "healthy": bool(healthy)}, handle)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _apply_retention(root, keep)
+    _barrier()
+    return final
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str, bool]]:
+    """(step, path, healthy) of every complete checkpoint, oldest first."""
+    found = []
+    if not os.path.isdir(root):
+        return found
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if not name.startswith(_PREFIX) or not os.path.isfile(os.path.join(path, MARKER)):
+            continue
+        with open(os.path.join(path, MARKER), encoding="utf-8") as handle:
+            marker = json.load(handle)
+        found.append((int(marker["step"]), path, bool(marker["healthy"])))
+    return sorted(found)
+
+
+def newest_healthy(root: str) -> Optional[tuple[int, str]]:
+    healthy = [(step, path) for step, path, ok in list_checkpoints(root) if ok]
+    return healthy[-1] if healthy else None
+
+
+def _apply_retention(root: str, keep: int) -> None:
+    checkpoints = list_checkpoints(root)
+    protected = newest_healthy(root)
+    for step, path, _ in checkpoints[:-keep] if keep > 0 else []:
+        if protected is None or path != protected[1]:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def load_checkpoint(path: str, model: Any, optimizer: Any, scheduler: Any) -> dict:
+    """Restore model, optimizer, scheduler and this rank's RNG from ``path``; returns the
+    common part (step, data position, guard state...)."""
+    from megatron.core import dist_checkpointing
+
+    state = _sharded_state(model, optimizer, is_loading=True)
+    loaded = dist_checkpointing.load(state, path)
+    _inner(model).load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    common = dist_checkpointing.load_common_state_dict(path)["common"]
+    scheduler.load_state_dict(common["scheduler"])
+    set_rng_state(loaded["rng"])
+    return common
