@@ -127,6 +127,57 @@ class AlertsConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ResponseConfig:
+    persist_steps: int = field(default=2, metadata={"check": _at_least_one})
+    """An anomaly on this many consecutive checked steps is an *error* (one alone is a *warning*)."""
+    recur_count: int = field(default=3, metadata={"check": _at_least_one})
+    """This many incidents within ``recur_window`` steps is an *error* too."""
+    recur_window: int = field(default=100, metadata={"check": _at_least_one})
+    """Steps over which ``recur_count`` is counted."""
+    on_error: Literal["rollback", "stop"] = "rollback"
+    """What an *error* does after saving: roll back to the newest healthy checkpoint, or stop
+    every rank cleanly (exit code 85) for a person to look."""
+    critical_origins: int = field(default=2, metadata={"check": _at_least_one})
+    """Anomalies entering on this many data-parallel replicas at once are *critical* (one rank's
+    NaN copied to every replica by the all-reduce counts as one origin)."""
+    origin_check: bool = True
+    """Flag non-finite local gradients before the data-parallel reduction, to tell a fault's
+    origin rank from the replicas it spread to (one extra read of the gradient buffers)."""
+    replay: bool = True
+    """Where the training loop offers it, re-run the step's forward/backward to tell
+    deterministic faults (data, numerics) from transient ones (hardware)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryConfig:
+    lr_factor: float = field(default=0.5, metadata={"check": _fraction})
+    """Each rollback multiplies the learning rate by this."""
+    lr_floor: float = field(default=0.05, metadata={"check": _fraction})
+    """The learning-rate scale never drops below this fraction of the original."""
+    max_rollbacks: int = field(default=3, metadata={"check": _at_least_one})
+    """Retry budget: one more *error* after this many rollbacks is *critical*."""
+    blacklist: Literal["always", "deterministic"] = "always"
+    """Which samples a rollback skips: the batches of the incident steps (always), or only
+    those a replay reproduced the fault on (deterministic)."""
+    keep_checkpoints: int = field(default=3, metadata={"check": _at_least_one})
+    """Checkpoints kept by retention; the newest healthy one is never deleted."""
+    disable_features: tuple[str, ...] = ()
+    """Features the training loop switches off after a rollback (names it understands)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SceneConfig:
+    enabled: bool = True
+    """Save a fault-scene bundle per incident under ``<report_dir>/scenes/``."""
+    max_bytes: int = field(default=64 * 2**20, metadata={"check": _at_least_one})
+    """Per rank and incident; the batch tokens are dropped first when over."""
+    queue_size: int = field(default=4, metadata={"check": _at_least_one})
+    """Bundles waiting for the writer thread; more are dropped and counted."""
+    min_severity: Literal["warning", "error", "critical"] = "warning"
+    """Incidents below this severity get no bundle."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     enabled: bool = True
     """Master switch: false installs nothing."""
@@ -142,6 +193,12 @@ class Config:
     """Which checks run before clipping."""
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
     """Where error and critical incidents are sent besides the log (file, command, webhooks)."""
+    response: ResponseConfig = field(default_factory=ResponseConfig)
+    """How incidents are graded into warning / error / critical and what each does."""
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    """The rollback protocol: learning-rate scaling, sample blacklist, retry budget."""
+    scene: SceneConfig = field(default_factory=SceneConfig)
+    """Fault-scene bundles."""
     grad_history: bool = True
     """Rank 0 appends total and per-layer gradient norms of every checked step to
     ``<report_dir>/grad_history.jsonl`` (read by ``megatron-patches report --plot``)."""

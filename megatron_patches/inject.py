@@ -3,7 +3,8 @@
 Kinds: ``nan``, ``inf`` (one element), ``spike`` (multiply the gradient by ``factor``,
 default 1e4), ``bitflip`` (flip the highest exponent bit of one element), ``saturate`` (one
 element set to the dtype's largest finite value, as an Ascend part in saturation mode
-reports an overflow). Keys: ``step``
+reports an overflow), ``poison`` (``poison:sample=I``: sample I gives a non-finite loss
+every time it is fed; the training loop applies it, see :meth:`Injector.poisoned`). Keys: ``step``
 (required, 1-based optimizer step), ``param`` (fnmatch pattern on the global parameter name;
 default: the model's first parameter in forward order), ``rank`` (global rank; default all),
 ``count`` (consecutive steps, default 1), ``phase`` (``grad``: the gradient the optimizer
@@ -24,9 +25,9 @@ import torch
 
 from .errors import ConfigError
 
-KINDS = ("nan", "inf", "spike", "bitflip", "saturate")
+KINDS = ("nan", "inf", "spike", "bitflip", "saturate", "poison")
 PHASES = ("grad", "local")
-_KEYS = ("step", "param", "rank", "count", "phase", "factor")
+_KEYS = ("step", "param", "rank", "count", "phase", "factor", "sample")
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,11 @@ class InjectionSpec:
     count: int = 1
     phase: str = "grad"
     factor: float = 1.0e4
+    sample: Optional[int] = None
     text: str = ""
 
     def covers(self, step: int) -> bool:
-        return self.step <= step < self.step + self.count
+        return self.kind != "poison" and self.step <= step < self.step + self.count
 
 
 def _int(key: str, value: str, text: str, minimum: int) -> int:
@@ -66,6 +68,12 @@ def parse_spec(text: str) -> InjectionSpec:
         if not eq or key not in _KEYS:
             raise ConfigError(f"injection {text!r}: expected key=value with key in {', '.join(_KEYS)}, got {item!r}")
         values[key] = value.strip()
+    if kind == "poison":
+        if set(values) != {"sample"}:
+            raise ConfigError(f"injection {text!r}: poison takes exactly sample=I (a dataset index)")
+        return InjectionSpec(kind=kind, step=0, sample=_int("sample", values["sample"], text, 0), text=text.strip())
+    if "sample" in values:
+        raise ConfigError(f"injection {text!r}: sample applies to poison only")
     if "step" not in values:
         raise ConfigError(f"injection {text!r}: step=N is required")
     spec = dict(kind=kind, text=text.strip(), step=_int("step", values["step"], text, 1))
@@ -116,7 +124,30 @@ class Injector:
         self._fired: set[tuple[int, int]] = set()
 
     def __bool__(self) -> bool:
-        return bool(self.specs)
+        return any(s.kind != "poison" for s in self.specs)
+
+    def poisoned(self, samples: Iterable[int]) -> set[int]:
+        """The sample indices among ``samples`` that a ``poison`` spec marks."""
+        marked = {s.sample for s in self.specs if s.kind == "poison"}
+        return marked.intersection(samples)
+
+    def fired_specs(self) -> list[str]:
+        """Texts of the specs that have fired at least once."""
+        return sorted({self.specs[i].text for i, _ in self._fired})
+
+    def spend(self, texts: Iterable[str]) -> None:
+        """Mark these specs as fully fired (read from the ledger after a restart)."""
+        texts = set(texts)
+        for index, spec in enumerate(self.specs):
+            if spec.text in texts:
+                self._fired.update((index, s) for s in range(spec.step, spec.step + spec.count))
+
+    def spend_started(self, step: int) -> None:
+        """After a rollback: a fault that has begun is over (an event in time), so steps
+        replayed or reached again do not fire it."""
+        for index, spec in enumerate(self.specs):
+            if any(i == index for i, _ in self._fired):
+                self._fired.update((index, s) for s in range(spec.step, spec.step + spec.count))
 
     def due(self, step: int, phase: str, rank: int) -> list[tuple[int, InjectionSpec]]:
         return [

@@ -32,6 +32,7 @@ from .incidents import (
     make_record,
 )
 from .inject import Injector, parse_spec
+from .response import EXIT_CRITICAL, EXIT_ROLLBACK, EXIT_STOP, Decision, GradePolicy
 
 log = logging.getLogger("megatron_patches")
 
@@ -130,6 +131,24 @@ class GradMonitor:
             "injected": 0,
         }
         self.last_total_norm: Optional[float] = None
+        self.policy = GradePolicy(config)
+        self.decision: Optional[Decision] = None
+        """The last incident's decision, identical on every rank, until the loop takes it."""
+        self.executor: Optional[Any] = None
+        """Set by an in-process recovery executor (it replays and rolls back); None means the
+        monitor itself stops the job on stop/rollback (exit-and-restart)."""
+        self.rollbacks = 0
+        self.on_exit: list[Callable[[int], None]] = []
+        """Called with the exit code before the monitor ends the process (writes the ledger)."""
+        self._origin_flag: Optional[torch.Tensor] = None
+        self._pending_record: Optional[dict] = None
+        self._scenes = None
+        self._alerts = None
+        self._batch_tokens: Optional[list] = None
+        self._replaying = False
+        self._replay_result: Optional[dict] = None
+        self.last_incident_first: Optional[dict] = None
+        self.last_incident_ranks: list = []
 
     @property
     def rank(self) -> int:
@@ -148,9 +167,11 @@ class GradMonitor:
         self._step = int(step)
         self._step_set = True
 
-    def set_batch(self, sample_indices: list[int]) -> None:
-        """The dataset indices this rank feeds in the current step (for incident records)."""
+    def set_batch(self, sample_indices: list[int], tokens: Optional[list] = None) -> None:
+        """The dataset indices this rank feeds in the current step (for incident records), and
+        optionally the micro-batch tensors themselves (saved in fault scenes)."""
         self._batch = list(sample_indices)
+        self._batch_tokens = tokens
 
     def state_dict(self) -> dict:
         """What a checkpoint carries so a restart keeps its baselines and counters."""
@@ -204,6 +225,8 @@ class GradMonitor:
         step = self._step + (0 if self._step_set else 1)
         if self.injector:
             self._inject_local(chunks, step)
+        if self.config.response.origin_check and step % self.config.check_interval == 0:
+            self._origin_flag = _local_nonfinite(chunks)
         for detector in self.detectors:
             detector.before_reduction(chunks, step)
 
@@ -269,7 +292,11 @@ class GradMonitor:
         grads = [g for _, g in pairs]
         device = grads[0].device if grads else _collective_device()
         num_slots = self._num_slots[id(optimizer)]
-        vec = torch.zeros(_HEAD + num_slots + self._detector_width, dtype=torch.float32, device=device)
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        vec = torch.zeros(_HEAD + num_slots + self._detector_width + world, dtype=torch.float32, device=device)
+        if self._origin_flag is not None:  # one slot per global rank: the SUM is an all-gather
+            vec[-world + self.rank] = self._origin_flag.to(device)
+            self._origin_flag = None
         ctx = CheckContext(step=step, entries=live, grads=grads, norms=None, device=device)
         maxabs = None
         if grads:
@@ -316,11 +343,16 @@ class GradMonitor:
             reduced[detector.name] = values[offset:offset + width]
             kinds += detector.verdict(ctx, reduced[detector.name])
             offset += width
-        if not (values[_NONFINITE] or values[_OVER_PARAM] or values[_SATURATED] or total_over or kinds):
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        origins = [r for r, flag in enumerate(values[len(values) - world:]) if flag > 0]
+        flagged = bool(values[_NONFINITE] or values[_OVER_PARAM] or values[_SATURATED] or total_over or kinds)
+        if self._replaying:
+            return self._replay_verdict(ctx, maxabs, total_over, flagged)
+        if not flagged:
             for detector in self.detectors:
                 detector.commit(ctx, accepted=True)
             return False
-        skip = self._incident(ctx, maxabs, total_over, kinds, reduced, action)
+        skip = self._incident(ctx, maxabs, total_over, kinds, reduced, action, origins)
         for detector in self.detectors:
             detector.commit(ctx, accepted=not skip)
         return skip
@@ -365,39 +397,164 @@ class GradMonitor:
         return findings
 
     def _incident(self, ctx: CheckContext, maxabs, total_over: bool, kinds: list, reduced: dict,
-                  action: str) -> bool:
+                  action: str, origins: list) -> bool:
         step = ctx.step
-        mine = {"findings": self._findings(ctx, maxabs, total_over), "batch": self._batch}
-        everyone = _gather_to_zero(mine)
-        decision: dict[str, Any] = {"action": action, "severity": "warning"}
+        findings = self._findings(ctx, maxabs, total_over)
+        everyone = _gather_to_zero({"findings": findings, "batch": self._batch, "ranks": locate.rank_info()})
         record: dict = {}
+        decision = None
         if self.rank == 0:
-            findings = [f for part in everyone for f in part["findings"]]
-            reasons = {r for f in findings for r in f.reasons}
-            found = [k for k in ("nan", "inf", "overflow", "magnitude") if k in reasons or
-                     (k == "magnitude" and "magnitude_total" in reasons)]
-            found += [k for k in kinds if k not in found]
-            kind = found[0] if found else "magnitude"
-            samples = sorted({i for part in everyone for i in part["batch"]})
+            found = [f for part in everyone for f in part["findings"]]
+            reasons = {r for f in found for r in f.reasons}
+            found_kinds = [k for k in ("nan", "inf", "overflow", "magnitude") if k in reasons or
+                           (k == "magnitude" and "magnitude_total" in reasons)]
+            found_kinds += [k for k in kinds if k not in found_kinds]
+            kind = found_kinds[0] if found_kinds else "magnitude"
+            dp_of = {part["ranks"]["global"]: part["ranks"]["dp"] for part in everyone}
+            replicas = len({dp_of.get(r, r) for r in origins})
+            if action == "skip_step":
+                decision = self.policy.grade(step, replicas, self.rollbacks, can_replay=self.executor is not None)
+            else:  # direct clip_grad_norm callers: nothing to skip, gradients are zeroed
+                decision = Decision("warning", action, "checked in clip_grad_norm", step)
+            decision.origins = origins
             extra: dict[str, Any] = {}
             for detector in self.detectors:
                 extra.update(detector.extra(ctx, reduced[detector.name]))
             record = make_record(
-                step=step, severity=decision["severity"], kind=kind, kinds=found, action=action,
-                message=_describe(kind, findings, ctx.total_norm), params=findings,
-                ranks_affected=[f.ranks["global"] for f in findings], world=locate.world_layout(),
-                total_norm=finite_or_none(ctx.total_norm), batch={"samples": samples},
-                injected=[s.text for s in self.injector.specs if s.covers(step)], **extra,
+                step=step, severity=decision.severity, kind=kind, kinds=found_kinds, action=decision.action,
+                message=_describe(kind, found, ctx.total_norm), params=found,
+                ranks_affected=[f.ranks["global"] for f in found], world=locate.world_layout(),
+                total_norm=finite_or_none(ctx.total_norm),
+                batch={"samples": sorted({i for part in everyone for i in part["batch"]})},
+                injected=[s.text for s in self.injector.specs if s.covers(step)],
+                origin_ranks=origins, reason=decision.reason, **extra,
             )
-            self._write_incident(record)
-            log.warning("step %d: %s -> %s", step, record["message"], action)
+            self.last_incident_first = record["first"]
+            self.last_incident_ranks = record["ranks_affected"]
+            log.warning("step %d: %s: %s -> %s (%s)", step, decision.severity, record["message"],
+                        decision.action, decision.reason)
         decision = _broadcast_from_zero(decision)
+        self.decision = decision
         self.counters["incidents"] += 1
-        if decision["action"] == "skip_step":
+        if decision.action == "skip_step":
             self.counters["skipped_steps"] += 1
+        if self.config.scene.enabled and _at_least(decision.severity, self.config.scene.min_severity):
+            record["scene"] = self._save_scene(ctx, findings, record)
+        if self.rank == 0:
+            if decision.replay:
+                self._pending_record = record  # written once the executor's replay has a verdict
+            else:
+                self._publish(record)
         for listener in self.listeners:
             listener(decision, record)
-        return decision["action"] != "continue"
+        if self.executor is None and decision.action in ("stop", "rollback"):
+            self.exit(EXIT_CRITICAL if decision.severity == "critical" else
+                      EXIT_ROLLBACK if decision.action == "rollback" else EXIT_STOP)
+        return decision.action != "continue"
+
+    def replay_check(self, optimizer: Any, step: int) -> dict:
+        """Run the check on gradients a loop has just recomputed for ``step`` (no update, no new
+        incident). Returns ``{"flagged", "first"}``, identical on every rank."""
+        self._replaying, self._replay_result = True, {"flagged": False, "first": None}
+        try:
+            self.set_step(step)
+            optimizer.prepare_grads()
+        finally:
+            self._replaying = False
+        return self._replay_result
+
+    def _replay_verdict(self, ctx: CheckContext, maxabs, total_over: bool, flagged: bool) -> bool:
+        first = None
+        if flagged:
+            everyone = _gather_to_zero(self._findings(ctx, maxabs, total_over))
+            found = [f for part in everyone for f in part]
+            first = max(found, key=lambda f: f.order).name if found else None
+        self._replay_result = _broadcast_from_zero({"flagged": flagged, "first": first})
+        return True
+
+    def resolve(self, **fields: Any) -> None:
+        """The executor's outcome for the pending incident (replay verdict, blacklisted samples,
+        rollback target); rank 0 writes the record with it. Call on every rank."""
+        if self.rank == 0 and self._pending_record is not None:
+            self._pending_record.update(fields)
+            self._publish(self._pending_record)
+        self._pending_record = None
+
+    def take_decision(self) -> Optional[Decision]:
+        decision, self.decision = self.decision, None
+        return decision
+
+    def exit(self, code: int) -> None:
+        """Stop this rank cleanly: flush scenes and alerts, then exit with ``code``. Every rank
+        reaches this from the same broadcast decision, so none is left waiting in a collective."""
+        for callback in self.on_exit:
+            callback(code)
+        self.close()
+        log.warning("stopping with exit code %d", code)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+        raise SystemExit(code)
+
+    def close(self) -> None:
+        """Write what is queued (pending record, scenes, alerts)."""
+        if self._pending_record is not None and self.rank == 0:
+            self._publish(self._pending_record)
+            self._pending_record = None
+        if self._scenes is not None:
+            self._scenes.close()
+            self._scenes = None
+        if self._alerts is not None:
+            self._alerts.close()
+            self._alerts = None
+
+    def _publish(self, record: dict) -> None:
+        self._write_incident(record)
+        if record.get("severity") in ("error", "critical"):
+            if self._alerts is None:
+                from .alerts import AlertDispatcher
+
+                self._alerts = AlertDispatcher(self.config.alerts, self.report_dir)
+            self._alerts.submit(record)
+
+    def _save_scene(self, ctx: CheckContext, findings: list, record: dict) -> str:
+        from . import scene
+        from .checkpoint import rng_state
+
+        if self._scenes is None:
+            self._scenes = scene.SceneWriter(self.config.scene.queue_size, self.config.scene.max_bytes)
+        norms = ctx.norms.tolist() if ctx.norms is not None else []
+        payload = {
+            "step": ctx.step,
+            "ranks": locate.rank_info(),
+            "host": locate.host(),
+            "device": locate.device_name(),
+            "batch": {"samples": list(self._batch),
+                      "tokens": [t.detach().cpu().clone() for t in self._batch_tokens] if self._batch_tokens else None},
+            "rng": rng_state(),
+            "grad_norms": {e.info.name: n for e, n in zip(ctx.entries, norms)},
+            "findings": [f.__dict__ for f in findings],
+            "optimizer": self._optimizer_meta(),
+            "overflow_mode": self.overflow_mode,
+        }
+        files = {}
+        if self.rank == 0:
+            files = {"environment.json": {**scene.environment(), "world": locate.world_layout()},
+                     "incident.json": record}
+        path = scene.scene_dir(self.report_dir, ctx.step, self.rank)
+        self._scenes.submit(path, payload, files)
+        return os.path.dirname(path)
+
+    def _optimizer_meta(self) -> dict:
+        meta: dict[str, Any] = {"step": self._step, "rollbacks": self.rollbacks}
+        optimizer = next(iter(self._entries.keys()), None)
+        if optimizer is None:
+            return meta
+        meta["param_groups"] = [{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, str, bool, type(None)))}
+                                for g in optimizer.param_groups]
+        scale = optimizer.get_loss_scale() if hasattr(optimizer, "get_loss_scale") else None
+        meta["loss_scale"] = float(scale) if scale is not None else None
+        return meta
 
     def _scaler_overflow(self, optimizer: Any, step: int) -> bool:
         self.counters["scaler_overflows"] += 1
@@ -450,6 +607,31 @@ def _describe(kind: str, findings: list[ParamFinding], total_norm: float) -> str
     ranks = sorted({f.ranks["global"] for f in findings})
     return (f"{kind} gradient first at {first.name} (layer {first.layer}, rank {first.ranks['global']}); "
             f"{len({f.name for f in findings})} parameter(s) on rank(s) {ranks}")
+
+
+def _at_least(severity: str, floor: str) -> bool:
+    order = ("warning", "error", "critical")
+    return order.index(severity) >= order.index(floor)
+
+
+def _local_nonfinite(chunks: list) -> torch.Tensor:
+    """1.0 when this rank's own gradients hold NaN/Inf before the data-parallel reduction:
+    one fused pass over DDP's contiguous gradient buffers (or the per-parameter grads)."""
+    tensors = []
+    for chunk in chunks:
+        buffers = list(getattr(chunk, "buffers", []) or []) + list(getattr(chunk, "expert_parallel_buffers", []) or [])
+        if buffers and all(hasattr(b, "grad_data") for b in buffers):
+            tensors += [b.grad_data for b in buffers]
+        else:
+            for p in chunk.parameters():
+                g = getattr(p, "main_grad", None)
+                g = g if g is not None else p.grad
+                if g is not None:
+                    tensors.append(g)
+    tensors = [t for t in tensors if t.numel() > 0]
+    if not tensors:
+        return torch.zeros((), device=_collective_device())
+    return (~torch.isfinite(torch.stack(torch._foreach_norm(tensors)))).any().float()
 
 
 def _collective_device() -> torch.device:

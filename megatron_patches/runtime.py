@@ -19,9 +19,12 @@ def _setup_logging(config: Config) -> None:
         handler.setFormatter(logging.Formatter("[megatron_patches] %(message)s"))
         log.addHandler(handler)
         log.propagate = False
+    import os
+
     import torch
 
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    # apply runs before torch.distributed starts: the launcher's RANK says who we are then.
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", "0"))
     level = getattr(logging, config.log_level.upper())
     # One copy of the informational lines per job, not one per rank.
     log.setLevel(level if rank == 0 else max(level, logging.WARNING))

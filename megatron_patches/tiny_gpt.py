@@ -49,6 +49,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="fault to inject, e.g. nan:step=5,param=*linear_fc1.weight,rank=1 (repeatable)")
     p.add_argument("--out", metavar="DIR", default="runs/tiny_gpt", help="output directory (default runs/tiny_gpt)")
     p.add_argument("--save-interval", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    p.add_argument("--recovery", choices=("in-process", "exit"), default="in-process",
+                   help="roll back inside this process (default), or exit with code 84 after writing the "
+                        "ledger so a launcher restarts with --resume (how pretrain_gpt.py recovers)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest healthy checkpoint under <out>/checkpoints (and its ledger)")
+    p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout (default 0)")
     p.add_argument("--no-guard", action="store_true", help="train without megatron_patches (baseline)")
     args = p.parse_args(argv)
     for name in ("tp", "pp", "steps", "micro_batches", "micro_batch_size", "layers", "hidden", "heads", "vocab", "seq"):
@@ -56,6 +62,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.save_interval < 0:
         raise UserError(f"--save-interval must be >= 0, got {args.save_interval}")
+    if not 0.0 <= args.dropout < 1.0:
+        raise UserError(f"--dropout must be in [0, 1), got {args.dropout}")
     if not args.lr > 0:
         raise UserError(f"--lr must be > 0, got {args.lr}")
     if args.hidden % args.heads:
@@ -152,6 +160,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except UserError as exc:
         print(f"tiny_gpt: error: {exc}", file=sys.stderr)
         return 2
+    except SystemExit as exc:  # the guard stopped every rank with a documented code
+        return int(exc.code or 0)
     finally:
         import torch
 

@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from .data import Sampler, TinyCorpus
+from .errors import UserError
 
 
 class TinyTrainer:
@@ -44,6 +45,24 @@ class TinyTrainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.forward_backward = get_forward_backward_func()
+        self.checkpoint_root = os.path.join(args.out, "checkpoints")
+        self._base_lr = (self.scheduler.init_lr, self.scheduler.max_lr, self.scheduler.min_lr,
+                         [(g.get("max_lr"), g.get("min_lr")) for g in self.optimizer.param_groups])
+        self.lr_scale = 1.0
+        self._step_inputs: Optional[tuple] = None
+        self.recovery = None
+        self._ledger_lr_scale = 1.0
+        if self.monitor is not None and args.recovery == "in-process":
+            from .recovery import InProcessRecovery
+
+            self.recovery = InProcessRecovery(self.monitor, self)
+        elif self.monitor is not None:
+            from .recovery import ExitAndRestart, Ledger
+
+            ExitAndRestart(self.monitor, self.checkpoint_root)
+            ledger = Ledger.load(self.checkpoint_root)
+            self.set_blacklist(ledger.blacklist)
+            self._ledger_lr_scale = ledger.lr_scale
 
     # --- build ---------------------------------------------------------------------------
 
@@ -61,7 +80,7 @@ class TinyTrainer:
             num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
             tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
             params_dtype=dtype, pipeline_dtype=dtype, bf16=a.precision == "bf16", fp16=a.precision == "fp16",
-            use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+            use_cpu_initialization=True, hidden_dropout=a.dropout, attention_dropout=a.dropout,
             gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
             persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         )
@@ -115,8 +134,15 @@ class TinyTrainer:
         labels = batch["labels"].to(self.device)
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         output = model(tokens, positions, None, labels=labels)
+        poisoned = self.monitor.injector.poisoned(batch["samples"]) if self.monitor is not None else ()
+        rows = [row for row, index in enumerate(batch["samples"]) if index in poisoned]
 
         def loss_func(per_token_loss):
+            if rows:  # a poisoned sample: its loss, and so every gradient, is NaN each time it is fed
+                # Multiplied, not overwritten: the NaN must flow into the backward pass too.
+                mask = torch.ones_like(per_token_loss)
+                mask[rows] = float("nan")
+                per_token_loss = per_token_loss * mask
             loss = per_token_loss.float().mean()
             # The schedule divides the returned loss in place; report an independent copy.
             return loss, {"lm loss": loss.detach().clone()}
@@ -124,23 +150,89 @@ class TinyTrainer:
         return output, loss_func
 
     def train_step(self, step: int) -> dict[str, Any]:
-        """One optimizer step; returns {loss, grad_norm, skipped} (loss on every rank)."""
+        """One optimizer step; returns {loss, grad_norm, skipped, samples} (same on every rank)."""
+        global_batch = self.sampler.next_global_batch()
+        microbatches = self._my_microbatches(global_batch)
+        from .checkpoint import rng_state
+
+        self._step_inputs = (step, microbatches, rng_state())
+        out = self._forward_backward(step, microbatches)
+        success, grad_norm, _ = self.optimizer.step()
+        if success:
+            self.scheduler.step(increment=len(global_batch))
+        return {"loss": out["loss"], "grad_norm": grad_norm, "skipped": not success, "samples": global_batch}
+
+    def _forward_backward(self, step: int, microbatches: list[list[int]]) -> dict[str, Any]:
         a = self.args
-        microbatches = self._my_microbatches(self.sampler.next_global_batch())
+        batches = [{**self.corpus.batch(mb), "samples": mb} for mb in microbatches]
         if self.monitor is not None:
             self.monitor.set_step(step)
-            self.monitor.set_batch([i for mb in microbatches for i in mb])
+            self.monitor.set_batch([i for mb in microbatches for i in mb], tokens=[b["tokens"] for b in batches])
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = self.forward_backward(
-            forward_step_func=self._forward_step,
-            data_iterator=iter([self.corpus.batch(mb) for mb in microbatches]),
-            model=[self.model], num_microbatches=a.micro_batches, seq_length=a.seq,
-            micro_batch_size=a.micro_batch_size, forward_only=False)
-        success, grad_norm, _ = self.optimizer.step()
-        if success:
-            self.scheduler.step(increment=a.micro_batch_size * a.micro_batches * self.dp)
-        return {"loss": self._mean_loss(losses), "grad_norm": grad_norm, "skipped": not success}
+            forward_step_func=self._forward_step, data_iterator=iter(batches), model=[self.model],
+            num_microbatches=a.micro_batches, seq_length=a.seq, micro_batch_size=a.micro_batch_size,
+            forward_only=False)
+        bad = [i for mb, d in zip(microbatches, losses) for i in mb if not math.isfinite(float(d["lm loss"]))]
+        return {"loss": self._mean_loss(losses), "bad_samples": bad}
+
+    # --- what InProcessRecovery needs (megatron_patches.recovery.TrainingLoop) -----------
+
+    def replay_step(self, step: int) -> dict:
+        from .checkpoint import set_rng_state
+
+        saved_step, microbatches, rng = self._step_inputs
+        assert saved_step == step, f"replay of step {step} but the last step run was {saved_step}"
+        set_rng_state(rng)
+        out = self._forward_backward(step, microbatches)
+        verdict = self.monitor.replay_check(self.optimizer, step)
+        every = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, out["bad_samples"])
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return {**verdict, "bad_samples": sorted({i for part in every for i in part})}
+
+    def load_checkpoint(self, path: str) -> int:
+        from .checkpoint import load_checkpoint
+
+        common = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        self.sampler.load_state_dict(common["sampler"])
+        return int(common["step"])
+
+    def set_lr_scale(self, scale: float) -> None:
+        self.lr_scale = scale
+        init, top, bottom, groups = self._base_lr
+        self.scheduler.init_lr, self.scheduler.max_lr, self.scheduler.min_lr = init * scale, top * scale, bottom * scale
+        # megatron-core's scheduler reads per-group max_lr/min_lr where the groups carry them.
+        for group, (group_max, group_min) in zip(self.optimizer.param_groups, groups):
+            if group_max is not None:
+                group["max_lr"] = group_max * scale
+            if group_min is not None:
+                group["min_lr"] = group_min * scale
+        self.scheduler.step(increment=0)
+
+    def set_blacklist(self, samples: list) -> None:
+        self.sampler.blacklist = set(samples)
+
+    def disable_feature(self, name: str) -> None:
+        if name != "dropout":
+            raise ValueError(f"tiny_gpt can disable only 'dropout', got {name!r}")
+        self.config.hidden_dropout = self.config.attention_dropout = 0.0
+        for module in self.model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+            if isinstance(getattr(module, "hidden_dropout", None), float):
+                module.hidden_dropout = 0.0
+
+    def save(self, step: int, healthy: bool) -> None:
+        from .checkpoint import save_checkpoint
+
+        extra = {"sampler": self.sampler.state_dict(),
+                 "monitor": self.monitor.state_dict() if self.monitor is not None else None}
+        keep = self.monitor.config.recovery.keep_checkpoints if self.monitor is not None else 3
+        save_checkpoint(self.checkpoint_root, step, self.model, self.optimizer, self.scheduler, extra,
+                        healthy=healthy, keep=keep)
 
     def _mean_loss(self, losses: list[dict]) -> float:
         """Mean loss over the last pipeline stage's ranks, known on every rank."""
@@ -154,20 +246,53 @@ class TinyTrainer:
 
     def train(self) -> dict[str, Any]:
         a = self.args
-        losses, skipped, started = [], 0, time.time()
-        for step in range(1, a.steps + 1):
+        losses: dict[int, float] = {}
+        self.loss_log: list = []
+        skipped = executed = 0
+        started = time.time()
+        incidents_at_last_save = 0
+        step = 1
+        if a.resume:
+            from .checkpoint import newest_healthy
+
+            found = newest_healthy(self.checkpoint_root)
+            if found is None:
+                raise UserError(f"--resume: no healthy checkpoint under {self.checkpoint_root}")
+            step = self.load_checkpoint(found[1]) + 1
+            # the ledger's lr scale applies on top of the restored schedule
+            self.set_lr_scale(self.recovery.ledger.lr_scale if self.recovery else self._ledger_lr_scale)
+            if self.rank == 0:
+                print(f"resumed from {found[1]} at step {step}", flush=True)
+        elif a.save_interval:
+            self.save(0, healthy=self._params_finite())
+        while step <= a.steps:
             t0 = time.perf_counter()
             out = self.train_step(step)
+            executed += 1
             skipped += out["skipped"]
-            losses.append(out["loss"])
-            if a.save_interval and step % a.save_interval == 0:
-                from .checkpoint import save_checkpoint
-
-                save_checkpoint(os.path.join(a.out, "checkpoints"), step, self.model, self.optimizer,
-                                self.scheduler, self.sampler)
+            losses[step] = out["loss"]
+            self.loss_log.append([step, out["loss"] if math.isfinite(out["loss"]) else None])
             if self.rank == 0:
                 self._print_progress(step, out, skipped, time.perf_counter() - t0)
-        return self._finish(losses, skipped, time.time() - started)
+            resume = self.recovery.after_step(step, out["samples"]) if self.recovery else None
+            if resume is not None:
+                losses = {k: v for k, v in losses.items() if k < resume}
+                incidents_at_last_save = self.monitor.counters["incidents"]
+                step = resume
+                continue
+            if a.save_interval and step % a.save_interval == 0:
+                incidents = self.monitor.counters["incidents"] if self.monitor else 0
+                self.save(step, healthy=incidents == incidents_at_last_save and self._params_finite())
+                incidents_at_last_save = incidents
+            step += 1
+        ordered = [losses[k] for k in sorted(losses)]
+        return self._finish(ordered, skipped, executed, time.time() - started)
+
+    def _params_finite(self) -> bool:
+        mine = all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+        finite = torch.tensor([1.0 if mine else 0.0], device=self._collective)
+        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        return bool(finite.item() == 1.0)
 
     def _print_progress(self, step: int, out: dict, skipped: int, seconds: float) -> None:
         norm = out["grad_norm"]
@@ -176,11 +301,10 @@ class TinyTrainer:
               f"{'-' if norm is None else f'{norm:.3g}'} | lr {self.optimizer.param_groups[0]['lr']:.2e} | "
               f"skipped {skipped} | incidents {incidents} | {seconds * 1000:.0f} ms", flush=True)
 
-    def _finish(self, losses: list[float], skipped: int, seconds: float) -> dict[str, Any]:
+    def _finish(self, losses: list[float], skipped: int, executed: int, seconds: float) -> dict[str, Any]:
         a = self.args
-        mine = all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
-        finite = torch.tensor([1.0 if mine else 0.0], device=self._collective)
-        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        params_finite = self._params_finite()
+        ledger = self.recovery.ledger if self.recovery else None
         finite_losses = [x for x in losses if math.isfinite(x)]
         result = {
             "steps_completed": len(losses),
@@ -188,7 +312,12 @@ class TinyTrainer:
             "final_loss": sum(finite_losses[-3:]) / len(finite_losses[-3:]) if finite_losses else None,
             "losses": [x if math.isfinite(x) else None for x in losses],
             "skipped_steps": skipped,
-            "params_finite": bool(finite.item() == 1.0),
+            "params_finite": params_finite,
+            "executed_steps": executed,
+            "loss_log": self.loss_log,
+            "rollbacks": ledger.rollbacks if ledger else 0,
+            "blacklisted_samples": list(ledger.blacklist) if ledger else [],
+            "lr_scale": self.lr_scale,
             "incidents": self.monitor.counters["incidents"] if self.monitor else 0,
             "monitor": dict(self.monitor.counters) if self.monitor else None,
             "world_size": torch.distributed.get_world_size(),
@@ -196,6 +325,8 @@ class TinyTrainer:
             "precision": a.precision, "distributed_optimizer": a.distributed_optimizer,
             "device": self.device, "seconds": round(seconds, 3),
         }
+        if self.monitor is not None:
+            self.monitor.close()
         if self.rank == 0:
             os.makedirs(a.out, exist_ok=True)
             path = os.path.join(a.out, "result.json")

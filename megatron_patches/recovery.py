@@ -1,0 +1,224 @@
+"""The rollback protocol: replay, then roll back to the newest healthy checkpoint with a lower
+learning rate and the offending samples blacklisted, within a retry budget.
+
+Two executors share the :class:`Ledger` kept next to the checkpoints:
+
+* in-process (:class:`InProcessRecovery`): for loops that hand over their state through the
+  small :class:`TrainingLoop` protocol (the tiny-GPT harness does);
+* exit-and-restart: with no executor attached the monitor writes the ledger and every rank
+  exits with ``EXIT_ROLLBACK``; the next start reads the ledger (``Ledger.load``) and resumes.
+
+Pseudocode of one incident, as the in-process executor runs it::
+
+    decision = monitor.take_decision()          # same on every rank
+    verdict  = replay(step) if decision.replay   # deterministic | transient
+    if verdict == deterministic: blacklist(samples that reproduced it)
+    if decision.action == rollback:
+        ckpt = newest healthy checkpoint        # none -> critical stop
+        load(ckpt); lr_scale = max(lr_scale * lr_factor, lr_floor)
+        blacklist(incident batches); disable(features); rollbacks += 1; ledger.save()
+        continue from ckpt.step + 1
+    if decision.action == stop: exit(EXIT_STOP or EXIT_CRITICAL)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Protocol
+
+from . import checkpoint
+from .response import EXIT_CRITICAL, EXIT_STOP
+
+log = logging.getLogger("megatron_patches")
+
+LEDGER_FILE = "megatron_patches_ledger.json"
+LEDGER_SCHEMA = "megatron_patches.ledger/1"
+
+
+@dataclass
+class Ledger:
+    """What survives restarts: blacklisted samples, rollbacks done, learning-rate scale."""
+
+    blacklist: list = field(default_factory=list)
+    rollbacks: int = 0
+    lr_scale: float = 1.0
+    disabled_features: list = field(default_factory=list)
+    spent_injections: list = field(default_factory=list)
+    """Drill specs that already fired: a restarted job does not inject them again."""
+    rollback_requested: Optional[dict] = None
+    """Set by the exit-and-restart path: {"from_step", "reason"}; cleared once resumed."""
+    events: list = field(default_factory=list)
+
+    @staticmethod
+    def path(checkpoint_root: str) -> str:
+        return os.path.join(checkpoint_root, LEDGER_FILE)
+
+    @classmethod
+    def load(cls, checkpoint_root: str) -> "Ledger":
+        path = cls.path(checkpoint_root)
+        if not os.path.exists(path):
+            return cls()
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+        if data.get("schema") != LEDGER_SCHEMA:
+            raise ValueError(f"{path}: not a megatron_patches ledger (schema {data.get('schema')!r})")
+        data.pop("schema")
+        return cls(**data)
+
+    def save(self, checkpoint_root: str) -> None:
+        """Atomic: a crash leaves the previous ledger or the new one, never half of one."""
+        os.makedirs(checkpoint_root, exist_ok=True)
+        path = self.path(checkpoint_root)
+        with open(path + ".tmp", "w", encoding="utf-8") as handle:
+            json.dump({"schema": LEDGER_SCHEMA, **asdict(self)}, handle, indent=1)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(path + ".tmp", path)
+
+
+class TrainingLoop(Protocol):
+    """What a custom megatron-core loop hands to :class:`InProcessRecovery`."""
+
+    checkpoint_root: str
+
+    def load_checkpoint(self, path: str) -> int:
+        """Restore model, optimizer, scheduler, RNG and data position; return the saved step."""
+
+    def replay_step(self, step: int) -> dict:
+        """Re-run forward/backward of ``step`` on the same micro-batches from the same RNG state
+        and run the check again (``monitor.replay_check``); no update. Returns
+        ``{"flagged": bool, "first": name or None, "bad_samples": [...]}`` (same on all ranks)."""
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Scale the learning-rate schedule by ``scale`` of its original values."""
+
+    def set_blacklist(self, samples: list) -> None:
+        """Never feed these sample indices again."""
+
+    def disable_feature(self, name: str) -> None:
+        """Switch off a feature named in ``recovery.disable_features``."""
+
+
+class InProcessRecovery:
+    """Acts on the monitor's decisions inside the training loop."""
+
+    def __init__(self, monitor: Any, loop: TrainingLoop):
+        self.monitor = monitor
+        self.loop = loop
+        self.config = monitor.config.recovery
+        self.ledger = Ledger.load(loop.checkpoint_root)
+        self._episode_samples: list = []
+        monitor.executor = self
+        monitor.rollbacks = self.ledger.rollbacks
+        loop.set_blacklist(self.ledger.blacklist)
+        loop.set_lr_scale(self.ledger.lr_scale)
+
+    def after_step(self, step: int, batch_samples: list) -> Optional[int]:
+        """Call on every rank after each optimizer step. Returns the step to continue from
+        after a rollback, else None."""
+        decision = self.monitor.take_decision()
+        if decision is None:
+            return None
+        self._episode_samples += batch_samples
+        verdict, reproduced = None, []
+        if decision.replay:
+            replay = self.loop.replay_step(step)
+            first = (self.monitor.last_incident_first or {}).get("name")
+            if replay["flagged"]:
+                verdict = {"verdict": "deterministic",
+                           "same_parameter": replay["first"] == first, "first": replay["first"]}
+                reproduced = replay["bad_samples"] or batch_samples
+            else:
+                verdict = {"verdict": "transient", "suspected_ranks": decision.origins or
+                           self.monitor.last_incident_ranks}
+        blacklisted = sorted(set(reproduced))
+        if decision.action == "rollback":
+            if self.config.blacklist == "always":
+                blacklisted = sorted(set(blacklisted) | set(self._episode_samples))
+            return self._rollback(step, decision, verdict, blacklisted)
+        if blacklisted:
+            self._add_blacklist(blacklisted)
+            self._save_ledger()
+        self.monitor.resolve(replay=verdict, blacklisted=blacklisted)
+        if decision.action == "stop":
+            self.monitor.exit(EXIT_CRITICAL if decision.severity == "critical" else EXIT_STOP)
+        return None
+
+    def _rollback(self, step: int, decision: Any, verdict: Optional[dict], blacklisted: list) -> int:
+        target = checkpoint.newest_healthy(self.loop.checkpoint_root)
+        if target is None:
+            self.monitor.resolve(replay=verdict, blacklisted=blacklisted, severity="critical",
+                                 action="stop", reason=decision.reason + "; no healthy checkpoint to roll back to")
+            self.monitor.exit(EXIT_CRITICAL)
+        healthy_step, path = target
+        resumed = self.loop.load_checkpoint(path)
+        self._add_blacklist(blacklisted)
+        self.ledger.rollbacks += 1
+        self.ledger.lr_scale = max(self.ledger.lr_scale * self.config.lr_factor, self.config.lr_floor)
+        for name in self.config.disable_features:
+            if name not in self.ledger.disabled_features:
+                self.loop.disable_feature(name)
+                self.ledger.disabled_features.append(name)
+        self.loop.set_lr_scale(self.ledger.lr_scale)
+        self.ledger.events.append({"step": step, "rolled_back_to": healthy_step, "lr_scale": self.ledger.lr_scale,
+                                   "blacklisted": len(blacklisted), "reason": decision.reason})
+        self._save_ledger()
+        self.monitor.rollbacks = self.ledger.rollbacks
+        self.monitor.policy.reset()
+        self.monitor.injector.spend_started(step)
+        self._episode_samples = []
+        self.monitor.resolve(replay=verdict, blacklisted=blacklisted, rolled_back_to=healthy_step,
+                             checkpoint=path, lr_scale=self.ledger.lr_scale)
+        log.warning("rolled back from step %d to healthy checkpoint %s (step %d); lr scale %.3g; "
+                    "%d samples blacklisted; rollback %d of %d", step, path, healthy_step, self.ledger.lr_scale,
+                    len(blacklisted), self.ledger.rollbacks, self.config.max_rollbacks)
+        return resumed + 1
+
+    def _add_blacklist(self, samples: list) -> None:
+        merged = sorted(set(self.ledger.blacklist) | set(samples))
+        self.ledger.blacklist = merged
+        self.loop.set_blacklist(merged)
+
+    def _save_ledger(self) -> None:
+        if self.monitor.rank == 0:
+            self.ledger.save(self.loop.checkpoint_root)
+
+
+class ExitAndRestart:
+    """For loops that cannot be re-entered (Megatron-LM's ``pretrain_gpt.py``): on a rollback
+    decision rank 0 writes the ledger and every rank exits with ``EXIT_ROLLBACK``; the launcher
+    restarts the job, which loads the newest healthy checkpoint and applies the ledger."""
+
+    def __init__(self, monitor: Any, checkpoint_root: str):
+        self.monitor = monitor
+        self.checkpoint_root = checkpoint_root
+        self.config = monitor.config.recovery
+        self.ledger = Ledger.load(checkpoint_root)
+        self._episode_samples: list = []
+        monitor.rollbacks = self.ledger.rollbacks
+        monitor.injector.spend(self.ledger.spent_injections)
+        monitor.listeners.append(self._on_decision)
+        monitor.on_exit.append(self._on_exit)
+
+    def _on_decision(self, decision: Any, record: dict) -> None:
+        if record:  # rank 0 holds the record, with every rank's samples
+            self._episode_samples += record.get("batch", {}).get("samples", [])
+
+    def _on_exit(self, code: int) -> None:
+        from .response import EXIT_ROLLBACK
+
+        if code != EXIT_ROLLBACK or self.monitor.rank != 0:
+            return
+        if self.config.blacklist == "always":
+            self.ledger.blacklist = sorted(set(self.ledger.blacklist) | set(self._episode_samples))
+        self.ledger.rollbacks += 1
+        self.ledger.lr_scale = max(self.ledger.lr_scale * self.config.lr_factor, self.config.lr_floor)
+        self.ledger.disabled_features = sorted(set(self.ledger.disabled_features) | set(self.config.disable_features))
+        self.ledger.rollback_requested = {"from_step": self.monitor.step}
+        self.ledger.spent_injections = sorted(set(self.ledger.spent_injections) | set(self.monitor.injector.fired_specs()))
+        self.ledger.events.append({"step": self.monitor.step, "exit": code, "lr_scale": self.ledger.lr_scale,
+                                   "blacklisted": len(self._episode_samples)})
+        self.ledger.save(self.checkpoint_root)

@@ -1,0 +1,28 @@
+"""Start N ranks of the harness as plain processes (no torchrun), so a test can read each
+rank's own exit code: torchrun folds them into one."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+
+def run_ranks(nproc: int, args: list[str], timeout: int = 300) -> list[subprocess.CompletedProcess]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(nproc):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        env.pop("MEGATRON_PATCHES_CONFIG", None)
+        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_patches.tiny_gpt", *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    results = []
+    for rank, proc in enumerate(procs):
+        out, _ = proc.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out))
+    return results

@@ -1,0 +1,143 @@
+"""Graded response, replay diagnosis, fault scenes and the rollback protocol, on real runs."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import assert_trained, run_tiny
+from rank_launcher import run_ranks
+
+FC1 = "decoder.layers.1.mlp.linear_fc1.weight"
+
+
+def ledger(out):
+    return json.loads((out / "checkpoints" / "megatron_patches_ledger.json").read_text())
+
+
+def test_persistent_fault_rolls_back_with_lower_lr_and_blacklist(tmp_path):
+    run = run_tiny(tmp_path, "--steps", "20", "--save-interval", "4", "--inject", f"nan:step=10,count=5,param={FC1}")
+    result = assert_trained(run)
+    assert (result["rollbacks"], result["lr_scale"], result["steps_completed"]) == (1, 0.5, 20)
+    warning, error = run.incidents
+    assert (warning["step"], warning["severity"], warning["action"]) == (10, "warning", "skip_step")
+    assert (error["step"], error["severity"], error["action"]) == (11, "error", "rollback")
+    assert error["rolled_back_to"] == 8 and error["lr_scale"] == 0.5
+    # The injected NaN is not re-injected on replay: the verdict is transient.
+    assert error["replay"]["verdict"] == "transient"
+    # Both incident batches (8 samples per step) are blacklisted, in the result and the ledger.
+    assert result["blacklisted_samples"] == list(range(72, 88)) == ledger(tmp_path)["blacklist"]
+    assert ledger(tmp_path)["rollbacks"] == 1
+    # The restored state is the saved one: step 9 replayed after the rollback gives the same
+    # loss, bit for bit, as the first time (step 10 differs: new data, halved learning rate).
+    log = result["loss_log"]
+    nines = [loss for step, loss in log if step == 9]
+    assert len(nines) == 2 and nines[0] == nines[1]
+    assert [step for step, _ in log] == list(range(1, 12)) + list(range(9, 21))
+
+
+def test_poisoned_sample_is_deterministic_blacklisted_and_never_fed_again(tmp_path):
+    run = run_tiny(tmp_path, "--steps", "12", "--save-interval", "4", "--inject", "poison:sample=45")
+    assert_trained(run)
+    (record,) = run.incidents
+    assert record["step"] == 6 and record["replay"]["verdict"] == "deterministic"
+    assert record["origin_ranks"] == [0]
+    # Only the micro-batch whose loss went non-finite in the replay is blacklisted.
+    assert record["blacklisted"] == [44, 45, 46, 47] == ledger(tmp_path)["blacklist"]
+    # Back to step 4 by hand, same poison: sample 45 is skipped, so nothing goes wrong.
+    for step in (8, 12):
+        subprocess.run(["rm", "-rf", str(tmp_path / "checkpoints" / f"iter_{step:07d}")], check=True)
+    again = run_tiny(tmp_path, "--steps", "12", "--resume", "--inject", "poison:sample=45")
+    result = assert_trained(again, min_drop=0.0)
+    assert result["incidents"] == 0 and result["loss_log"][0][0] == 5
+    assert len(run.incidents) == 1  # no new record was appended
+
+
+def test_single_transient_fault_is_a_warning_classified_transient(tmp_path):
+    run = run_tiny(tmp_path, "--steps", "12", "--inject", f"inf:step=5,param={FC1}")
+    assert_trained(run)
+    (record,) = run.incidents
+    assert (record["severity"], record["action"], record["replay"]["verdict"]) == ("warning", "skip_step", "transient")
+    assert record["blacklisted"] == []
+
+
+def test_fault_scene_bundle_is_complete(tmp_path):
+    run = run_tiny(tmp_path, "--steps", "8", "--inject", f"nan:step=3,param={FC1}")
+    assert_trained(run, min_drop=0.0)
+    (record,) = run.incidents
+    rank_dir = tmp_path / "scenes" / "step0000003" / "rank00000"
+    assert record["scene"] == str(rank_dir.parent)
+    manifest = json.loads((rank_dir / "MANIFEST.json").read_text())["files"]
+    for name, size in manifest.items():
+        assert (rank_dir / name).stat().st_size == size
+    env = json.loads((rank_dir / "environment.json").read_text())
+    assert env["megatron_core"] == "0.16.1" and env["world"]["size"] == 1
+    import torch
+
+    scene = torch.load(rank_dir / "scene.pt", weights_only=False)
+    assert scene["batch"]["samples"] == list(range(16, 24))
+    assert [t.shape for t in scene["batch"]["tokens"]] == [torch.Size([4, 32])] * 2
+    assert scene["grad_norms"][FC1] != scene["grad_norms"][FC1]  # NaN: the bad one
+    assert scene["optimizer"]["param_groups"][0]["lr"] == pytest.approx(3e-3)
+    assert {"torch", "tracker", "python"} <= set(scene["rng"])
+
+
+@pytest.mark.multiproc
+def test_faults_on_two_replicas_at_once_are_critical_and_every_rank_exits(tmp_path):
+    procs = run_ranks(2, ["--out", str(tmp_path), "--steps", "10", "--save-interval", "2",
+                          "--inject", f"nan:step=5,param={FC1},rank=0,phase=local",
+                          "--inject", "nan:step=5,param=decoder.layers.0.mlp.linear_fc2.weight,rank=1,phase=local"])
+    assert [p.returncode for p in procs] == [86, 86], procs[0].stdout[-2000:]
+    record = [json.loads(line) for line in (tmp_path / "incidents.jsonl").read_text().splitlines()][-1]
+    assert (record["severity"], record["action"]) == ("critical", "stop")
+    assert record["origin_ranks"] == [0, 1]
+    assert "2 data-parallel replicas" in record["reason"]
+    # The last healthy checkpoint is intact: a restart from it trains to the end.
+    resumed = run_tiny(tmp_path, "--steps", "10", "--resume", nproc=2)
+    result = assert_trained(resumed, min_drop=0.0)
+    assert result["loss_log"][0][0] == 5 and result["incidents"] == 0
+
+
+@pytest.mark.multiproc
+def test_local_fault_on_one_replica_names_its_origin(tmp_path):
+    run = run_tiny(tmp_path, "--steps", "10", "--inject", f"nan:step=4,param={FC1},rank=1,phase=local", nproc=2)
+    assert_trained(run, min_drop=0.0)
+    (record,) = run.incidents
+    assert record["ranks_affected"] == [0, 1]  # spread by the all-reduce
+    assert record["origin_ranks"] == [1]        # but it entered on rank 1
+    assert record["severity"] == "warning"
+
+
+def test_exit_and_restart_executor(tmp_path):
+    spec = f"nan:step=6,count=3,param={FC1}"
+    first = run_tiny(tmp_path, "--steps", "12", "--save-interval", "4", "--recovery", "exit", "--inject", spec)
+    assert first.returncode == 84, first.output[-2000:]
+    state = ledger(tmp_path)
+    assert state["rollbacks"] == 1 and state["lr_scale"] == 0.5 and state["spent_injections"] == [spec]
+    assert state["blacklist"] == list(range(40, 56))
+    second = run_tiny(tmp_path, "--steps", "12", "--save-interval", "4", "--recovery", "exit", "--resume", "--inject", spec)
+    result = assert_trained(second, min_drop=0.0)
+    assert result["incidents"] == 0 and result["lr_scale"] == 0.5 and result["loss_log"][0][0] == 5
+
+
+def test_killed_bundle_write_never_reads_as_complete(tmp_path):
+    script = (
+        "import sys, torch; from megatron_patches.scene import write_bundle\n"
+        "write_bundle(sys.argv[1], {'batch': {'tokens': [torch.ones(256, 2**20)]}}, {}, max_bytes=2**40)\n"
+    )
+    target = tmp_path / "scenes" / "step0000001" / "rank00000"
+    proc = subprocess.Popen([sys.executable, "-c", script, str(target)])
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(p.name.startswith(".tmp-") for p in target.parent.glob("*")):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    from megatron_patches.scene import list_complete
+
+    assert list_complete(str(tmp_path)) == []
+    assert not target.exists()
+    assert any(p.name.startswith(".tmp-") for p in target.parent.iterdir())
