@@ -1,0 +1,243 @@
+"""Run Megatron-LM's training package (``megatron/training``, ``pretrain_gpt.py``) on a CPU-only torch.
+
+:mod:`megatron_patches.testing.cpu` covers megatron-core. The training package of a Megatron-LM
+checkout assumes CUDA in a few more places, each redirected here and nowhere else:
+
+- ``initialize_megatron`` asserts ``torch.cuda.is_available()`` unless ``allow_no_cuda=True``;
+  ``pretrain`` never passes it, so the call is re-bound with ``allow_no_cuda=True``.
+- ``_initialize_distributed`` builds the model-parallel groups and ``_set_random_seed`` seeds the
+  tensor-parallel RNG tracker only ``if torch.cuda.device_count() > 0``; both run with a device
+  count of one (the CPU runtime already maps that one device to the CPU).
+- ``_compile_dependencies`` runs ``make`` for the dataset index helpers and builds fused CUDA
+  kernels with nvcc. Neither is built here: the helpers come from the checkout when it has them
+  compiled, otherwise from the installed megatron-core wheel, which ships them prebuilt (same
+  ``helpers.cpp`` interface from core 0.12 to main); the fused kernels are not loaded (the command
+  line must turn the fusions off).
+- Without Apex or Transformer Engine (always the case on CPU), loading a distributed-optimizer
+  checkpoint asserts in ``DistributedOptimizer.state_dict`` because the fresh torch optimizer has
+  no ``step`` yet; the optimizer state is created first (see
+  :func:`_with_optimizer_state_before_load`).
+- core 0.12's ``quantize_param_shard`` (called by every distributed-optimizer step) raises
+  without Transformer Engine even when there are no FP8 parameters; with none it now returns.
+- ``set_jit_fusion_options`` warms up the bias-GeLU/bias-dropout fusions with ``torch.compile``
+  (~25 s on two CPU cores) even when the command line turns them off; the warm-up is skipped.
+
+The rest (``'cuda'`` devices in training.py, ``torch.cuda.Stream`` in ``get_model``) is handled by
+the CPU runtime's device rewrite and stream stand-ins. Nothing is installed by importing this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import inspect
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from megatron_patches.testing import cpu
+
+__all__ = ["install", "uninstall", "installed"]
+
+_HELPERS = "megatron.core.datasets.helpers_cpp"
+
+_lock = threading.Lock()
+_state: dict[str, Any] | None = None
+
+
+def _log(message: str) -> None:
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else None
+    if rank in (None, 0):
+        print(f"[megatron_patches.testing.megatron_lm_cpu] {message}", flush=True)
+
+
+@contextlib.contextmanager
+def _one_device() -> Iterator[None]:
+    """``torch.cuda.device_count()`` is 1 inside the block (the CPU runtime's single device)."""
+    original = torch.cuda.__dict__["device_count"]
+    torch.cuda.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        torch.cuda.device_count = original
+
+
+def _with_one_device(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        with _one_device():
+            return original(*args, **kwargs)
+
+    return wrapper
+
+
+def _allowing_no_cuda(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["allow_no_cuda"] = True
+        return original(*bound.args, **bound.kwargs)
+
+    return wrapper
+
+
+def _skip_fused_kernels(*args, **kwargs) -> None:
+    _log("fused CUDA kernels not built or loaded (CPU run)")
+
+
+def _skip_jit_warmup(*args, **kwargs) -> None:
+    _log("JIT fusion warm-up skipped (CPU run: torch.compile of unused fusions takes ~25 s)")
+
+
+def _helpers_are_importable() -> None:
+    """Stands in for ``compile_helpers`` (``make -C megatron/core/datasets``)."""
+    importlib.import_module(_HELPERS)
+
+
+def _installed_wheel_helpers() -> Path | None:
+    """The prebuilt ``helpers_cpp`` extension of the installed megatron-core distribution."""
+    try:
+        dist = importlib.metadata.distribution("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in dist.files or ():
+        if file.name.startswith("helpers_cpp.") and file.suffix in (".so", ".pyd"):
+            path = Path(dist.locate_file(file))
+            if path.exists():
+                return path
+    return None
+
+
+def _provide_dataset_helpers() -> str:
+    """Make ``megatron.core.datasets.helpers_cpp`` importable without compiling anything."""
+    if _HELPERS in sys.modules or importlib.util.find_spec(_HELPERS) is not None:
+        return "from megatron.core"
+    datasets_dir = Path(importlib.import_module("megatron.core.datasets").__file__).parent
+    wheel_helpers = _installed_wheel_helpers()
+    if wheel_helpers is None:
+        raise RuntimeError(
+            f"{_HELPERS} is not built in {datasets_dir} and no installed megatron-core wheel ships "
+            f"it; build it with `make -C {datasets_dir}` or `pip install megatron-core`"
+        )
+    loader = importlib.machinery.ExtensionFileLoader(_HELPERS, str(wheel_helpers))
+    spec = importlib.util.spec_from_file_location(_HELPERS, wheel_helpers, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    sys.modules[_HELPERS] = module
+    importlib.import_module("megatron.core.datasets").helpers_cpp = module
+    return f"prebuilt from the installed wheel: {wheel_helpers}"
+
+
+def _with_optimizer_state_before_load(original: Callable) -> Callable:
+    """``DistributedOptimizer.sharded_state_dict(is_loading=True)`` on a fresh optimizer.
+
+    Without Apex or Transformer Engine, ``DistributedOptimizer.state_dict`` reads the Adam ``step``
+    from the torch optimizer's per-parameter state and asserts there is exactly one value; before
+    the first step there is none, so every ``--load`` of a distributed-optimizer checkpoint fails
+    (core 0.12 to main). One zero-gradient step of the inner torch optimizer creates the state;
+    the checkpoint load then overwrites it, the main parameters and the model parameters.
+    """
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        inner = self.optimizer
+        if bound.arguments["is_loading"] and inner is not None and not inner.state:
+            params = [p for group in inner.param_groups for p in group["params"] if p.numel() > 0]
+            for param in params:
+                param.grad = torch.zeros_like(param)
+            inner.step()
+            inner.zero_grad()
+        return original(*bound.args, **bound.kwargs)
+
+    return wrapper
+
+
+def _nothing_to_quantize_without_fp8_params(original: Callable) -> Callable:
+    """core 0.12's ``quantize_param_shard`` raises without Transformer Engine even with no FP8 params."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        if len(signature.bind(*args, **kwargs).arguments["model_params"]) == 0:
+            return None
+        return original(*args, **kwargs)
+
+    return wrapper
+
+
+def _redirects() -> list[tuple[Any, str, Any]]:
+    from megatron.core.datasets import utils as dataset_utils
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.training import initialize, training
+
+    initialize_megatron = _allowing_no_cuda(initialize.__dict__["initialize_megatron"])
+    items = [
+        (initialize, "initialize_megatron", initialize_megatron),
+        (training, "initialize_megatron", initialize_megatron),
+        (initialize, "_initialize_distributed", _with_one_device(initialize._initialize_distributed)),
+        (initialize, "_set_random_seed", _with_one_device(initialize._set_random_seed)),
+        (dataset_utils, "compile_helpers", _helpers_are_importable),
+        (initialize, "_warmup_jit_function", _skip_jit_warmup),
+    ]
+    fused_kernels = initialize.__dict__.get("fused_kernels")  # megatron.legacy, gone in main
+    if fused_kernels is not None:
+        items.append((fused_kernels, "load", _skip_fused_kernels))
+    if "quantize_param_shard" in distrib_optimizer.__dict__:
+        quantize = _nothing_to_quantize_without_fp8_params(distrib_optimizer.quantize_param_shard)
+        items.append((distrib_optimizer, "quantize_param_shard", quantize))
+    if not distrib_optimizer.HAVE_APEX_OR_TE:
+        owner = distrib_optimizer.DistributedOptimizer
+        items.append(
+            (owner, "sharded_state_dict", _with_optimizer_state_before_load(owner.sharded_state_dict))
+        )
+    return items
+
+
+def install() -> None:
+    """Install the CPU runtime plus the Megatron-LM training-package redirects. Idempotent.
+
+    ``megatron`` must resolve to the checkout being run (its directory first on ``sys.path``).
+    """
+    global _state
+    with _lock:
+        if _state is not None:
+            return
+        cpu_was_installed = cpu.installed()
+        cpu.install()
+        helpers = _provide_dataset_helpers()
+        saved = []
+        for owner, name, replacement in _redirects():
+            saved.append((owner, name, owner.__dict__[name]))
+            setattr(owner, name, replacement)
+        _state = {"saved": saved, "cpu_was_installed": cpu_was_installed}
+    core_dir = Path(importlib.import_module("megatron.core").__file__).parent
+    _log(f"megatron.core from {core_dir}; dataset helpers {helpers}")
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (the CPU runtime included); a no-op when not installed."""
+    global _state
+    with _lock:
+        if _state is None:
+            return
+        for owner, name, original in reversed(_state["saved"]):
+            setattr(owner, name, original)
+        if not _state["cpu_was_installed"]:
+            cpu.uninstall()
+        _state = None
+
+
+def installed() -> bool:
+    return _state is not None

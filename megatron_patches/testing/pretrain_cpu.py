@@ -1,0 +1,50 @@
+"""Run a Megatron-LM training script (``pretrain_gpt.py``) on a CPU-only torch.
+
+    torchrun --nproc-per-node 2 -m megatron_patches.testing.pretrain_cpu \\
+        PATH/TO/Megatron-LM/pretrain_gpt.py --distributed-backend gloo ... (the script's own args)
+
+The script's directory goes first on ``sys.path``, so ``megatron`` (core and training) is the
+checkout's, source patches included. Then :mod:`megatron_patches.testing.megatron_lm_cpu` installs
+the CPU redirects and the script runs as ``__main__`` with ``sys.argv`` set to its own arguments.
+
+Besides torch and megatron-core's own needs, Megatron-LM's training package imports six, regex,
+pydantic, psutil and, for some paths, triton. The command line must turn CUDA-only fusions off
+(``--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion
+--no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm``) and use
+``--transformer-impl local --use-cpu-initialization``.
+
+For tests only; it is not a way to train at speed.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+USAGE = "usage: python -m megatron_patches.testing.pretrain_cpu PATH/pretrain_gpt.py [ARGS...]"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") and len(argv) == 1:
+        raise SystemExit(USAGE)
+    script = Path(argv[0]).resolve()
+    if not script.is_file():
+        raise SystemExit(f"training script not found: {argv[0]}\n{USAGE}")
+    if "megatron" in sys.modules:
+        raise SystemExit(
+            f"megatron was imported before the runner set sys.path for {script.parent}; "
+            "run this module directly (python -m / torchrun -m)"
+        )
+    sys.path.insert(0, str(script.parent))
+
+    from megatron_patches.testing import megatron_lm_cpu
+
+    megatron_lm_cpu.install()
+    sys.argv = [str(script), *argv[1:]]
+    runpy.run_path(str(script), run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
