@@ -27,7 +27,8 @@ setup(
     ],
     extras_require={
         "npu": ["torch_npu"],
-        "test": ["pytest>=7"],
+        # The report plot and TensorBoard paths are tested in CI too.
+        "test": ["pytest>=7", "matplotlib", "tensorboard"],
         "plot": ["matplotlib"],
         "tensorboard": ["tensorboard"],
     },

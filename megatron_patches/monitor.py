@@ -131,6 +131,8 @@ class GradMonitor:
             "injected": 0,
         }
         self.last_total_norm: Optional[float] = None
+        self.last_layer_norms: dict[str, float] = {}
+        """Per-layer gradient norms of the last checked step (keys as in grad_history.jsonl)."""
         self.policy = GradePolicy(config)
         self.decision: Optional[Decision] = None
         """The last incident's decision, identical on every rank, until the loop takes it."""
@@ -331,6 +333,7 @@ class GradMonitor:
         ctx.total_norm = self.last_total_norm = total_norm
         layer_sq = values[_HEAD:_HEAD + num_slots]
         ctx.layer_norms = [math.sqrt(v) if v >= 0 else float("nan") for v in layer_sq]
+        self.last_layer_norms = dict(zip(_slot_names(num_slots), ctx.layer_norms))
         self._write_history(step, total_norm, layer_sq)
         magnitude = self.config.detectors.magnitude
         total_over = (magnitude.enabled and magnitude.total_norm_max is not None
@@ -592,7 +595,7 @@ class GradMonitor:
         if self._history_lines >= self.config.grad_history_max_lines:
             os.replace(self._history.path, self._history.path + ".1")
             self._history_lines = 0
-        names = [str(i) for i in range(len(layer_sq) - 2)] + ["embedding", "output"]
+        names = _slot_names(len(layer_sq))
         self._history.write({
             "schema": HISTORY_SCHEMA, "step": step, "total_norm": finite_or_none(total_norm),
             "layers": {n: finite_or_none(math.sqrt(v)) if v >= 0 else None for n, v in zip(names, layer_sq)},
@@ -607,6 +610,11 @@ def _describe(kind: str, findings: list[ParamFinding], total_norm: float) -> str
     ranks = sorted({f.ranks["global"] for f in findings})
     return (f"{kind} gradient first at {first.name} (layer {first.layer}, rank {first.ranks['global']}); "
             f"{len({f.name for f in findings})} parameter(s) on rank(s) {ranks}")
+
+
+def _slot_names(num_slots: int) -> list[str]:
+    """Names of the per-layer slots: transformer layers by index, then embedding and output."""
+    return [str(i) for i in range(num_slots - 2)] + ["embedding", "output"]
 
 
 def _at_least(severity: str, floor: str) -> bool:

@@ -182,6 +182,15 @@ def diagnosis(rec: dict) -> list[str]:
         meaning = {"deterministic": "the same batch reproduced it: suspect data or code",
                    "transient": "the replay was clean: suspect hardware or a race"}.get(str(replay["verdict"]), "")
         done.append(f"replay {replay['verdict']}" + (f" ({meaning})" if meaning else ""))
+    if isinstance(rec.get("rolled_back_to"), int):
+        done.append(f"rolled back to the healthy checkpoint of step {rec['rolled_back_to']}"
+                    + (f", learning rate x{rec['lr_scale']:g}" if isinstance(rec.get("lr_scale"), (int, float)) else ""))
+    if isinstance(rec.get("blacklisted"), list) and rec["blacklisted"]:
+        done.append(f"{len(rec['blacklisted'])} sample(s) blacklisted")
+    if isinstance(rec.get("origin_ranks"), list) and rec["origin_ranks"]:
+        done.append(f"entered before the data-parallel reduction on rank(s) {rec['origin_ranks']}")
+    if rec.get("reason"):
+        done.append(f"graded {_text(rec.get('severity'))}: {rec['reason']}")
     samples = rec["batch"].get("samples") if isinstance(rec.get("batch"), dict) else None
     if isinstance(samples, list) and samples:
         shown = ", ".join(map(str, samples[:4])) + (", ..." if len(samples) > 4 else "")

@@ -54,6 +54,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "ledger so a launcher restarts with --resume (how pretrain_gpt.py recovers)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest healthy checkpoint under <out>/checkpoints (and its ledger)")
+    p.add_argument("--tensorboard-dir", metavar="DIR",
+                   help="write loss, lr, the guard's counters and gradient norms to TensorBoard (rank 0)")
     p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout (default 0)")
     p.add_argument("--no-guard", action="store_true", help="train without megatron_patches (baseline)")
     args = p.parse_args(argv)

@@ -52,6 +52,7 @@ class TinyTrainer:
         self._step_inputs: Optional[tuple] = None
         self.recovery = None
         self._ledger_lr_scale = 1.0
+        self.tensorboard = self._open_tensorboard(args.tensorboard_dir) if self.rank == 0 else None
         if self.monitor is not None and args.recovery == "in-process":
             from .recovery import InProcessRecovery
 
@@ -274,6 +275,8 @@ class TinyTrainer:
             self.loss_log.append([step, out["loss"] if math.isfinite(out["loss"]) else None])
             if self.rank == 0:
                 self._print_progress(step, out, skipped, time.perf_counter() - t0)
+                if self.tensorboard is not None:
+                    self._log_metrics(step, out)
             resume = self.recovery.after_step(step, out["samples"]) if self.recovery else None
             if resume is not None:
                 losses = {k: v for k, v in losses.items() if k < resume}
@@ -287,6 +290,29 @@ class TinyTrainer:
             step += 1
         ordered = [losses[k] for k in sorted(losses)]
         return self._finish(ordered, skipped, executed, time.time() - started)
+
+    def _open_tensorboard(self, directory: Optional[str]):
+        if not directory:
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise UserError("--tensorboard-dir needs the tensorboard package: pip install 'megatron_patches[tensorboard]'")
+        return SummaryWriter(directory)
+
+    def _log_metrics(self, step: int, out: dict) -> None:
+        """Per-step live metrics: loss and lr, and the guard's counters and gradient norms."""
+        tb = self.tensorboard
+        tb.add_scalar("train/loss", out["loss"], step)
+        tb.add_scalar("train/lr", self.optimizer.param_groups[0]["lr"], step)
+        if self.monitor is None:
+            return
+        for name, value in self.monitor.counters.items():
+            tb.add_scalar(f"megatron_patches/{name}", value, step)
+        if self.monitor.last_total_norm is not None:
+            tb.add_scalar("megatron_patches/total_grad_norm", self.monitor.last_total_norm, step)
+        for layer, norm in self.monitor.last_layer_norms.items():
+            tb.add_scalar(f"megatron_patches/layer_grad_norm/{layer}", norm, step)
 
     def _params_finite(self) -> bool:
         mine = all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
@@ -327,6 +353,8 @@ class TinyTrainer:
         }
         if self.monitor is not None:
             self.monitor.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         if self.rank == 0:
             os.makedirs(a.out, exist_ok=True)
             path = os.path.join(a.out, "result.json")

@@ -188,3 +188,22 @@ def test_doctor_checks_report_dir_and_lists_alerts(tmp_path):
     out = cli("doctor", "--config", str(blocked), cwd=tmp_path)
     assert out.returncode == 1
     assert any(line.startswith("FAIL  report_dir") and "is a file" in line for line in out.stdout.splitlines())
+
+
+def test_harness_writes_live_metrics_to_tensorboard(tmp_path):
+    """Issue 8: per-step anomaly counters and gradient-norm summaries in TensorBoard."""
+    pytest.importorskip("tensorboard", reason="tensorboard not installed (pip install 'megatron_patches[tensorboard]')")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from conftest import run_tiny
+
+    run = run_tiny(tmp_path / "out", "--steps", "6", "--tensorboard-dir", str(tmp_path / "tb"),
+                   "--inject", "nan:step=3,param=decoder.layers.1.mlp.linear_fc1.weight")
+    assert run.returncode == 0, run.output[-2000:]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "megatron_patches/incidents", "megatron_patches/total_grad_norm",
+            "megatron_patches/layer_grad_norm/1"} <= tags
+    incidents = [e.value for e in events.Scalars("megatron_patches/incidents")]
+    assert incidents == [0, 0, 1, 1, 1, 1]
