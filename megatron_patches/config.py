@@ -67,6 +67,60 @@ class LossScaleConfig:
     """This many overflow-skipped steps in a row is an incident."""
 
 
+def _above_one(value: Any) -> Optional[str]:
+    if value is not None and not value > 1:
+        return "must be > 1"
+    return None
+
+
+def _share(value: Any) -> Optional[str]:
+    if value is not None and not 0 < value <= 1:
+        return "must be > 0 and <= 1"
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class HistoryConfig:
+    enabled: bool = True
+    """Judge gradient norms (each parameter, each layer, the total) against their own moving
+    statistics: z-score outliers and sustained growth that are still finite."""
+    ema_beta: float = field(default=0.98, metadata={"check": _fraction})
+    """Decay of the moving mean and variance of log(norm) per checked step (0.98: ~50 steps)."""
+    warmup_steps: int = field(default=20, metadata={"check": _at_least_one})
+    """Accepted samples a series needs before it is judged (a restored baseline counts)."""
+    zscore: float = field(default=6.0, metadata={"check": _positive})
+    """Flag log(norm) more than this many standard deviations above its moving mean..."""
+    min_ratio: float = field(default=4.0, metadata={"check": _at_least_one})
+    """...and the norm more than this many times its baseline exp(mean) (1 = z-score alone)."""
+    drift_steps: int = field(default=5, metadata={"check": _at_least_one})
+    """Flag growth on this many consecutive checked steps..."""
+    drift_ratio: float = field(default=1.2, metadata={"check": _above_one})
+    """...each by more than this factor over the last accepted norm."""
+    per_param: bool = True
+    """Also judge every parameter tensor (state on the device, 5 floats per tensor); false
+    leaves the per-layer and total norms, which need no device work at all."""
+    interval: int = field(default=1, metadata={"check": _at_least_one})
+    """Judge every N-th checked step only."""
+    sample_fraction: float = field(default=1.0, metadata={"check": _share})
+    """Judge a rotating share of the parameter tensors per check (0.25: each one every 4th)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsistencyConfig:
+    enabled: bool = True
+    """Compare data-parallel replicas bit-exactly each checked step (needs data parallelism;
+    adds 4 floats per rank to the one all-reduce)."""
+    target: Literal["auto", "grads", "params"] = "auto"
+    """What the replicas must agree on. grads: reduced gradients (not with the distributed
+    optimizer, whose gradients are sharded). params: the model parameters (an extra pass over
+    them). auto: grads, or params with the distributed optimizer."""
+    interval: int = field(default=1, metadata={"check": _at_least_one})
+    """Compare every N-th checked step only."""
+    sample_fraction: float = field(default=1.0, metadata={"check": _share})
+    """Checksum the bits of a rotating share of the tensors per check (the sum of squared
+    norms always covers all of them)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class DetectorsConfig:
     nonfinite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
@@ -75,6 +129,10 @@ class DetectorsConfig:
     """Absolute gradient-norm thresholds."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """fp16 dynamic loss-scale health."""
+    history: HistoryConfig = field(default_factory=HistoryConfig)
+    """Gradient-norm statistics over time: z-score outliers and drift (docs/detectors.md)."""
+    consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
+    """Cross-replica fingerprints: one data-parallel rank that disagrees (docs/detectors.md)."""
 
 
 def _non_negative(value: Any) -> Optional[str]:
@@ -286,6 +344,12 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
             raise wrong
         return value
     if tp is float:
+        if isinstance(value, str):
+            # PyYAML reads 1.0e6 (no sign after e) as a string; take it as the number meant.
+            try:
+                return float(value)
+            except ValueError:
+                raise wrong from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise wrong
         return float(value)

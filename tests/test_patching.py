@@ -94,3 +94,17 @@ def test_source_patch_decorator_is_not_wrapped_twice(clean_patches):
     finally:
         patching.uninstall()
         opt.FP32Optimizer.prepare_grads = original
+
+
+def test_readme_config_block_loads(tmp_path):
+    """The YAML shown in the README is valid as printed (1.0e6 included, which PyYAML reads as a string)."""
+    from pathlib import Path
+
+    from megatron_patches.config import load_config
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = readme.split("## Configuration", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    (tmp_path / "guard.yaml").write_text(block)
+    config = load_config(str(tmp_path / "guard.yaml"))
+    assert config.detectors.magnitude.total_norm_max == 1.0e6
+    assert config.recovery.lr_factor == 0.5 and config.response.on_error == "rollback"
