@@ -78,16 +78,25 @@ def _inner(model: Any) -> Any:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
+def _optimizer_metadata(optimizer: Any) -> dict:
+    """dp_reshardable: each rank saves its own distributed-optimizer buffers as they are
+    (megatron-core 0.16's default format rejects flattened ranges at save time). Releases
+    before 0.13 take no ``metadata`` argument on every leaf optimizer: pass none there."""
+    import inspect
+
+    leaves = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    if all("metadata" in inspect.signature(leaf.sharded_state_dict).parameters for leaf in leaves):
+        return {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}}
+    return {}
+
+
 def _sharded_state(model: Any, optimizer: Any, is_loading: bool) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     model_sd = _inner(model).sharded_state_dict()
     return {
         "model": model_sd,
-        # dp_reshardable: each rank saves its own distributed-optimizer buffers as they are
-        # (megatron-core 0.16's default format rejects flattened ranges at save time).
-        "optimizer": optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}),
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, **_optimizer_metadata(optimizer)),
         "rng": ShardedObject("megatron_patches.rng", None if is_loading else rng_state(),
                              (_world(),), (_rank(),), replica_id=0),
     }
