@@ -116,6 +116,7 @@ class GradMonitor:
         self._step = 0
         self._step_set = False
         self._batch: list[int] = []
+        self._batch_info: dict = {}
         self._entries: "weakref.WeakKeyDictionary[Any, list[_Entry]]" = weakref.WeakKeyDictionary()
         self._num_slots: dict[int, int] = {}
         self._static: dict[tuple, tuple] = {}
@@ -169,11 +170,14 @@ class GradMonitor:
         self._step = int(step)
         self._step_set = True
 
-    def set_batch(self, sample_indices: list[int], tokens: Optional[list] = None) -> None:
+    def set_batch(self, sample_indices: list[int], tokens: Optional[list] = None, **info: Any) -> None:
         """The dataset indices this rank feeds in the current step (for incident records), and
-        optionally the micro-batch tensors themselves (saved in fault scenes)."""
+        optionally the micro-batch tensors themselves (saved in fault scenes). ``info``: more
+        fields for the record's and scene's ``batch``, the same on every rank (Megatron-LM's
+        ``iteration`` and ``consumed_train_samples``)."""
         self._batch = list(sample_indices)
         self._batch_tokens = tokens
+        self._batch_info = info
 
     def state_dict(self) -> dict:
         """What a checkpoint carries so a restart keeps its baselines and counters."""
@@ -428,7 +432,7 @@ class GradMonitor:
                 message=_describe(kind, found, ctx.total_norm), params=found,
                 ranks_affected=[f.ranks["global"] for f in found], world=locate.world_layout(),
                 total_norm=finite_or_none(ctx.total_norm),
-                batch={"samples": sorted({i for part in everyone for i in part["batch"]})},
+                batch={**self._batch_info, "samples": sorted({i for part in everyone for i in part["batch"]})},
                 injected=[s.text for s in self.injector.specs if s.covers(step)],
                 origin_ranks=origins, reason=decision.reason, **extra,
             )
@@ -532,7 +536,7 @@ class GradMonitor:
             "ranks": locate.rank_info(),
             "host": locate.host(),
             "device": locate.device_name(),
-            "batch": {"samples": list(self._batch),
+            "batch": {**self._batch_info, "samples": list(self._batch),
                       "tokens": [t.detach().cpu().clone() for t in self._batch_tokens] if self._batch_tokens else None},
             "rng": rng_state(),
             "grad_norms": {e.info.name: n for e, n in zip(ctx.entries, norms)},
@@ -575,7 +579,8 @@ class GradMonitor:
                 self._write_incident(make_record(
                     step=step, severity="warning", kind="loss_scale", kinds=["loss_scale"],
                     action="skip_step", message=why, params=[], ranks_affected=[],
-                    world=locate.world_layout(), loss_scale=scale, batch={"samples": self._batch}))
+                    world=locate.world_layout(), loss_scale=scale,
+                    batch={**self._batch_info, "samples": self._batch}))
                 log.warning("step %d: %s", step, why)
             self._consecutive_overflows = 0
         return True

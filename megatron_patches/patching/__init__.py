@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional
 import wrapt
 
 from ..errors import UnsupportedVersionError
-from .registry import MEGATRON_CORE_SUPPORTED, TARGETS, PatchTarget
+from .registry import MEGATRON_CORE_SUPPORTED, TARGETS, TRAINING_TARGETS, PatchTarget
 
 log = logging.getLogger("megatron_patches")
 
@@ -77,9 +77,15 @@ def install(version: Optional[str] = None) -> list[str]:
     if _installed:
         return []
     done = []
-    for target in TARGETS:
+    for target in TARGETS + TRAINING_TARGETS:
         check_version(target.versions, version)
-        owner, name = _resolve(target.module, target.qualname)
+        try:
+            owner, name = _resolve(target.module, target.qualname)
+        except ImportError as exc:
+            if target.required:
+                raise
+            log.info("%s skipped: %s is not importable here (%s)", target.dotted, target.module, exc)
+            continue
         original = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name)
         if original is None:
             log.warning("%s not found in megatron-core %s; nothing patched there",
@@ -94,8 +100,13 @@ def install(version: Optional[str] = None) -> list[str]:
         setattr(owner, name, wrapped)
         _installed.append(_Installed(target, owner, name, original, wrapped))
         for alias in target.aliases:
-            mod = importlib.import_module(alias)
-            if getattr(mod, name, None) is original:
+            try:
+                mod = importlib.import_module(alias)
+            except ImportError:
+                log.debug("%s: alias %s not importable; skipped", target.dotted, alias)
+                continue
+            # Importing the alias just now may already have bound the wrapper: record it as ours.
+            if getattr(mod, name, None) in (original, wrapped):
                 setattr(mod, name, wrapped)
                 _installed.append(_Installed(target, mod, name, original, wrapped))
         log.info("patched %s (%s)", target.dotted, target.why)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .. import hooks
+from ..integrations import megatron_lm
 
 MEGATRON_CORE_SUPPORTED = ">=0.12,<0.17"
 """megatron-core releases the runtime patches support; 0.16.1 is what CI trains with."""
@@ -27,7 +28,12 @@ class PatchTarget:
     why: str
     versions: str = MEGATRON_CORE_SUPPORTED
     aliases: tuple[str, ...] = ()
-    """Other modules that re-export the same object under the same name."""
+    """Other modules that re-export the same object under the same name (``from x import f``
+    binds at import time: a module imported before the patches keeps the original unless it is
+    listed here). An alias that cannot be imported is skipped."""
+    required: bool = True
+    """False: skipped with an info log when the module cannot be imported. Megatron-LM's
+    ``megatron.training`` exists only in a checkout, never in the megatron-core package."""
 
     @property
     def dotted(self) -> str:
@@ -68,12 +74,45 @@ TARGETS: tuple[PatchTarget, ...] = (
         "get_megatron_optimizer",
         hooks.get_optimizer_wrapper,
         "The one call that sees both the model chunks and the optimizer: parameter names come from here.",
+        # Megatron-LM's training.py imports it by name: patch that binding too when it came first.
+        aliases=("megatron.training.training",),
     ),
     PatchTarget(
         "megatron.core.distributed.finalize_model_grads",
         "finalize_model_grads",
         hooks.finalize_model_grads_wrapper,
         "Runs right before the data-parallel gradient reduction: drills with phase=local inject here.",
-        aliases=("megatron.core.distributed",),
+        aliases=("megatron.core.distributed", "megatron.training.training"),
     ),
 )
+
+_TRAINING = "megatron.training.training"
+
+TRAINING_TARGETS: tuple[PatchTarget, ...] = (
+    PatchTarget(
+        _TRAINING,
+        "train_step",
+        megatron_lm.train_step_wrapper,
+        "Megatron-LM's loop runs one train_step per iteration: incidents get its iteration number, "
+        "batch position and, after a rollback restart, the learning rate fixed after the load.",
+        required=False,
+    ),
+    PatchTarget(
+        _TRAINING,
+        "get_optimizer_param_scheduler",
+        megatron_lm.scheduler_wrapper,
+        "Called once, after the optimizer is built and before the checkpoint is loaded: "
+        "exit-and-restart recovery reads its ledger and adjusts args (checkpoint, lr, skips) here.",
+        required=False,
+    ),
+    PatchTarget(
+        "megatron.training.checkpointing",
+        "save_checkpoint",
+        megatron_lm.save_checkpoint_wrapper,
+        "Marks each Megatron-LM checkpoint healthy or not (megatron_patches.json in iter_N/), "
+        "so a rollback restarts from the newest healthy one.",
+        aliases=(_TRAINING,),
+        required=False,
+    ),
+)
+"""Targets in Megatron-LM's training package (a checkout only; skipped where it is absent)."""

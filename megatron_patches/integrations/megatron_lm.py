@@ -1,0 +1,383 @@
+"""Megatron-LM's training loop (``pretrain_gpt.py``): iterations, batches, exit-and-restart.
+
+Three wrappers, declared in :mod:`megatron_patches.patching.registry` as optional targets
+(``megatron.training`` exists only in a Megatron-LM checkout):
+
+- ``get_optimizer_param_scheduler``: runs once, after the optimizer is built and before the
+  checkpoint is loaded; the first moment Megatron's args and the optimizer both exist. Attaches
+  :class:`~megatron_patches.recovery.ExitAndRestart` with the ledger next to ``--save`` and, from
+  that ledger, points ``--load``/``--ckpt-step`` at the newest healthy checkpoint when a rollback
+  was requested, adds the incident iterations to ``args.iterations_to_skip`` and scales the
+  learning rate (``args.lr``/``min_lr``/``lr_warmup_init`` and each param group's ``max_lr``/
+  ``min_lr``, with ``--override-opt_param-scheduler`` semantics).
+- ``train_step``: tells the monitor the iteration about to run (``args.curr_iteration + 1``, the
+  number Megatron logs) and its batch (sample positions for ``--dataloader-type single``,
+  ``iteration``, ``consumed_train_samples``); on the first call re-applies the scaled learning
+  rate the checkpoint load overwrote; after each call writes the guard's counters and gradient
+  norm to Megatron's TensorBoard / W&B writers (last rank only, values already on the host).
+- ``save_checkpoint``: after Megatron saved ``iter_N/``, writes ``megatron_patches.json`` there:
+  healthy when no incident happened since the previous save and every parameter is finite.
+
+Recovery protocol for Megatron-LM (no in-process executor: the loop cannot be re-entered)::
+
+    rollback decision (every rank)  -> ledger: rollbacks+1, lr_scale*=lr_factor,
+                                       rollback_requested={iteration, skip_iterations}
+                                    -> every rank exits 84 (torchrun itself then exits 1)
+    launcher sees 84 or the ledger  -> runs the same command again
+    next start, before the load     -> --load/--ckpt-step = newest healthy iter <= tracker
+                                       iterations_to_skip += incident iterations, lr scaled
+    first train_step                -> lr re-applied after the load, rollback_requested cleared
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import math
+import os
+from typing import Any, Optional
+
+import torch
+
+from .. import checkpoint, hooks
+from ..response import EXIT_CRITICAL, EXIT_ROLLBACK
+
+log = logging.getLogger("megatron_patches")
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+"""Megatron-LM's record of the newest complete checkpoint in ``--save``."""
+
+TAG_PREFIX = "megatron_patches/"
+
+
+# --- pure helpers (no Megatron needed) ---------------------------------------------------------
+
+
+def read_tracker(root: str) -> Optional[int]:
+    """The iteration in Megatron's tracker file, or None (missing, or a ``release`` checkpoint)."""
+    try:
+        with open(os.path.join(root, TRACKER_FILE), encoding="utf-8") as handle:
+            text = handle.read().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def newest_healthy_iteration(root: str) -> Optional[int]:
+    """The newest Megatron-LM checkpoint marked healthy and complete: not past the tracker,
+    which Megatron writes only once a save finished (async saves included)."""
+    tracker = read_tracker(root)
+    healthy = [step for step, _, ok in checkpoint.list_checkpoints(root)
+               if ok and step > 0 and (tracker is None or step <= tracker)]
+    return healthy[-1] if healthy else None
+
+
+def to_iterations_to_skip(logged: list, core_version: tuple) -> list:
+    """Megatron's ``iterations_to_skip`` entries for iterations numbered as Megatron logs them:
+    up to core 0.16 the loop tests the 0-based index (``iteration in ...``), from 0.17 on the
+    logged number (``iteration + 1 in ...``)."""
+    shift = 0 if core_version >= (0, 17) else 1
+    return [int(i) - shift for i in logged]
+
+
+def skip_iterations(ledger: Any) -> list:
+    """Every iteration (as logged) a rollback of this job asked to skip, from the ledger's events."""
+    return sorted({int(i) for event in ledger.events for i in event.get("skip_iterations", [])})
+
+
+def write_marker(directory: str, iteration: int, healthy: bool, incidents: int) -> None:
+    """``megatron_patches.json`` in a Megatron-LM ``iter_N`` directory (atomic)."""
+    path = os.path.join(directory, checkpoint.MARKER)
+    with open(path + ".tmp", "w", encoding="utf-8") as handle:
+        json.dump({"step": iteration, "healthy": bool(healthy), "format": "megatron-lm",
+                   "incidents": incidents}, handle)
+    os.replace(path + ".tmp", path)
+
+
+def _core_version() -> tuple:
+    from megatron.core import package_info
+
+    return tuple(int(x) for x in package_info.__version__.split(".")[:2])
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _warn0(message: str, *args: Any) -> None:
+    """A warning every rank would print alike: printed by global rank 0 only."""
+    if _rank() == 0:
+        log.warning(message, *args)
+
+
+# --- per-process state ---------------------------------------------------------------------------
+
+
+class MegatronLMSession:
+    """What one Megatron-LM process needs between the wrapper calls."""
+
+    def __init__(self, monitor: Any):
+        self.monitor = monitor
+        self.root: Optional[str] = None
+        self.restart: Optional[Any] = None
+        """The :class:`~megatron_patches.recovery.ExitAndRestart` attached to the monitor."""
+        self._episode_steps: list = []
+        self._lr_bounds: dict = {}
+        self._resume_from: Optional[int] = None
+        self._first_step = True
+        self._incidents_at_save = 0
+        self._checked_before = 0
+
+    # -- before the checkpoint load ------------------------------------------------------------
+
+    def before_scheduler(self, optimizer: Any) -> None:
+        from megatron.training import get_args
+
+        if self.restart is not None:
+            return
+        args = get_args()
+        self._advise(args)
+        self.root = args.save or args.load
+        if self.root is None:
+            _warn0("neither --save nor --load given: a rollback decision exits with %d but "
+                   "there is no checkpoint or ledger to resume from", EXIT_ROLLBACK)
+            return
+        from ..recovery import ExitAndRestart
+
+        self.restart = ExitAndRestart(self.monitor, self.root)
+        self.monitor.listeners.append(self._on_decision)
+        self.monitor.on_exit.append(self._on_exit)  # after ExitAndRestart's: the ledger is written
+        ledger = self.restart.ledger
+        skips = skip_iterations(ledger)
+        if skips:
+            entries = to_iterations_to_skip(skips, _core_version())
+            args.iterations_to_skip = sorted(set(args.iterations_to_skip or []) | set(entries))
+            _warn0("ledger %s: skipping iterations %s (args.iterations_to_skip=%s)",
+                   self.root, skips, args.iterations_to_skip)
+        if ledger.lr_scale != 1.0:
+            self._scale_lr(args, optimizer, ledger.lr_scale)
+        if ledger.rollback_requested:
+            self._load_newest_healthy(args, ledger.rollback_requested)
+
+    def _advise(self, args: Any) -> None:
+        if getattr(args, "check_for_nan_in_loss_and_grad", False):
+            log.info("Megatron-LM's own NaN/Inf check is on (--check-for-nan-in-loss-and-grad, the "
+                     "default): a NaN/Inf in the loss or in a gradient bucket before the data-parallel "
+                     "reduction is handled by its RerunStateMachine (RuntimeError, or exit 16/17) "
+                     "before megatron_patches sees the step. Pass --no-check-for-nan-in-loss-and-grad "
+                     "to have megatron_patches name the parameter and skip or roll back instead.")
+
+    def _scale_lr(self, args: Any, optimizer: Any, scale: float) -> None:
+        for name in ("lr", "min_lr", "lr_warmup_init"):
+            if getattr(args, name, None):
+                setattr(args, name, getattr(args, name) * scale)
+        if getattr(args, "use_checkpoint_opt_param_scheduler", False):
+            _warn0("--use-checkpoint-opt_param-scheduler is replaced by --override-opt_param-"
+                   "scheduler: the ledger's lr scale %.3g must win over the checkpoint", scale)
+            args.use_checkpoint_opt_param_scheduler = False
+        args.override_opt_param_scheduler = True
+        for group in optimizer.param_groups:
+            for key in ("max_lr", "min_lr"):
+                if group.get(key) is not None:
+                    group[key] *= scale
+            self._lr_bounds[_group_key(group)] = (group.get("max_lr"), group.get("min_lr"))
+        _warn0("ledger %s: learning rate scaled by %.3g (lr %.4g, min_lr %.4g; "
+               "override_opt_param_scheduler on)", self.root, scale, args.lr, args.min_lr)
+
+    def _load_newest_healthy(self, args: Any, request: dict) -> None:
+        target = newest_healthy_iteration(self.root)
+        if target is None:
+            log.error("ledger %s asks for a rollback (from iteration %s) but no checkpoint there is "
+                      "marked healthy; stopping", self.root, request.get("iteration", request.get("from_step")))
+            self.monitor.exit(EXIT_CRITICAL)
+        if args.load is None or os.path.abspath(args.load) != os.path.abspath(self.root):
+            _warn0("rollback: --load %s replaced by %s (where the healthy checkpoints are)",
+                   args.load, self.root)
+            args.load = self.root
+        args.ckpt_step = target
+        self._resume_from = target
+        _warn0("rollback requested at iteration %s: loading healthy checkpoint iteration %d "
+               "from %s (tracker: %s)", request.get("iteration", request.get("from_step")),
+               target, self.root, read_tracker(self.root))
+
+    # -- around each iteration ------------------------------------------------------------------
+
+    def before_step(self, optimizer: Any, scheduler: Any) -> None:
+        from megatron.training import get_args
+
+        args = get_args()
+        iteration = int(args.curr_iteration) + 1  # as Megatron logs it
+        if self._first_step:
+            self._first_step = False
+            self._after_load(args, optimizer, scheduler)
+        self.monitor.set_step(iteration)
+        self.monitor.set_batch(_sample_positions(args), iteration=iteration,
+                               consumed_train_samples=int(args.consumed_train_samples))
+        self._checked_before = self.monitor.counters["checked_steps"]
+
+    def _after_load(self, args: Any, optimizer: Any, scheduler: Any) -> None:
+        self._incidents_at_save = self.monitor.counters["incidents"]
+        if self._lr_bounds:
+            # The optimizer's load_state_dict brings back each group's max_lr/min_lr as saved.
+            restored = 0
+            for group in optimizer.param_groups:
+                bounds = self._lr_bounds.get(_group_key(group))
+                if bounds is not None and (group.get("max_lr"), group.get("min_lr")) != bounds:
+                    group["max_lr"], group["min_lr"] = bounds
+                    restored += 1
+            if scheduler is not None:
+                scheduler.step(increment=0)  # recompute every group's lr from the bounds
+            if restored:
+                _warn0("the checkpoint restored unscaled max_lr/min_lr in %d param group(s); "
+                       "set back to the scaled values", restored)
+        if self._resume_from is not None and self.restart is not None:
+            ledger = self.restart.ledger
+            if int(args.iteration) != self._resume_from:
+                _warn0("asked to resume from iteration %d, Megatron loaded %s",
+                       self._resume_from, args.iteration)
+            ledger.rollback_requested = None
+            ledger.events.append({"resumed_from": int(args.iteration), "lr_scale": ledger.lr_scale,
+                                  "iterations_to_skip": list(args.iterations_to_skip or [])})
+            if _rank() == 0:
+                ledger.save(self.root)
+            lr = optimizer.param_groups[0]["lr"] if optimizer.param_groups else None
+            _warn0("resumed from healthy checkpoint iteration %s with lr %s", args.iteration, lr)
+
+    def after_step(self) -> None:
+        from megatron.training import get_args
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+        tensorboard, wandb = get_tensorboard_writer(), get_wandb_writer()
+        if tensorboard is None and wandb is None:
+            return
+        args = get_args()
+        iteration = int(args.curr_iteration) + 1
+        if iteration % max(int(getattr(args, "tensorboard_log_interval", 1) or 1), 1):
+            return
+        values = {TAG_PREFIX + k: v for k, v in self.monitor.counters.items()}
+        norm = self.monitor.last_total_norm
+        if self.monitor.counters["checked_steps"] > self._checked_before and norm is not None and math.isfinite(norm):
+            values[TAG_PREFIX + "total_grad_norm"] = norm
+            for layer, value in getattr(self.monitor, "last_layer_norms", {}).items():
+                if math.isfinite(value):
+                    values[f"{TAG_PREFIX}layer_grad_norm/{layer}"] = value
+        if tensorboard is not None:
+            for tag, value in values.items():
+                tensorboard.add_scalar(tag, value, iteration)
+        if wandb is not None:
+            wandb.log(values, iteration)
+
+    # -- checkpoints and exits ------------------------------------------------------------------
+
+    def after_save(self, iteration: int, model: Any, non_persistent: bool) -> None:
+        from megatron.training import get_args
+
+        args = get_args()
+        if args.save is None or non_persistent:
+            return
+        incidents = self.monitor.counters["incidents"]
+        healthy = incidents == self._incidents_at_save and _params_finite(model)
+        self._incidents_at_save = incidents
+        directory = checkpoint.checkpoint_dir(args.save, int(iteration))
+        if _rank() == 0 and os.path.isdir(directory):
+            write_marker(directory, int(iteration), healthy, incidents)
+            log.info("checkpoint iteration %d marked %s", iteration, "healthy" if healthy else "NOT healthy")
+
+    def _on_decision(self, decision: Any, record: dict) -> None:
+        if decision.action != "continue":
+            self._episode_steps.append(int(decision.step))
+
+    def _on_exit(self, code: int) -> None:
+        if code != EXIT_ROLLBACK or _rank() != 0 or self.restart is None:
+            return
+        ledger = self.restart.ledger
+        steps = sorted(set(self._episode_steps)) if self.monitor.config.recovery.blacklist == "always" else []
+        ledger.rollback_requested = {**(ledger.rollback_requested or {}), "iteration": self.monitor.step,
+                                     "skip_iterations": steps}
+        if ledger.events:
+            ledger.events[-1]["skip_iterations"] = steps
+        ledger.save(self.root)
+        log.warning("ledger %s: rollback requested at iteration %d; a restart skips iterations %s "
+                    "and scales the lr to %.3g of the original", ledger.path(self.root),
+                    self.monitor.step, steps, ledger.lr_scale)
+
+
+def _group_key(group: dict) -> tuple:
+    return tuple(id(p) for p in group["params"])
+
+
+def _sample_positions(args: Any) -> list:
+    """Positions in the training dataset this rank reads this iteration. Known only for
+    ``--dataloader-type single`` (Megatron's sequential sampler): global batch ``consumed ..
+    consumed + global batch - 1``, each micro-batch split across data-parallel ranks."""
+    if getattr(args, "dataloader_type", "single") != "single" or getattr(args, "perform_rl_step", False):
+        return []
+    from megatron.core import parallel_state as ps
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mbs, start = int(args.micro_batch_size), int(args.consumed_train_samples)
+    return [start + m * mbs * dp + dp_rank * mbs + j for m in range(get_num_microbatches()) for j in range(mbs)]
+
+
+def _params_finite(model: Any) -> bool:
+    """Every parameter finite on every rank: one fused pass, one all-reduce, one host read."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    params = [p for chunk in chunks for p in chunk.parameters() if p.numel() > 0]
+    device = params[0].device if params else torch.device("cpu")
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
+        device = torch.device("cpu")
+    flag = torch.ones(1, device=device)
+    if params:
+        flag = torch.stack(torch._foreach_norm(params)).isfinite().all().float().reshape(1).to(device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item() == 1.0)
+
+
+_session: Optional[MegatronLMSession] = None
+
+
+def session(monitor: Any) -> MegatronLMSession:
+    """This process's session for ``monitor`` (a new monitor gets a new session)."""
+    global _session
+    if _session is None or _session.monitor is not monitor:
+        _session = MegatronLMSession(monitor)
+    return _session
+
+
+# --- wrapt wrappers (registry targets under megatron.training) -----------------------------------
+
+
+def scheduler_wrapper(wrapped, instance, args, kwargs):
+    """``get_optimizer_param_scheduler(optimizer)``: apply the ledger before the scheduler exists."""
+    monitor = hooks.get_monitor()
+    if monitor is not None:
+        bound = inspect.signature(wrapped).bind(*args, **kwargs)
+        session(monitor).before_scheduler(bound.arguments["optimizer"])
+    return wrapped(*args, **kwargs)
+
+
+def train_step_wrapper(wrapped, instance, args, kwargs):
+    """``train_step(...)``: iteration and batch for the monitor; writers after the step."""
+    monitor = hooks.get_monitor()
+    if monitor is None:
+        return wrapped(*args, **kwargs)
+    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    current = session(monitor)
+    current.before_step(bound.arguments["optimizer"], bound.arguments.get("opt_param_scheduler"))
+    result = wrapped(*args, **kwargs)
+    current.after_step()
+    return result
+
+
+def save_checkpoint_wrapper(wrapped, instance, args, kwargs):
+    """``save_checkpoint(iteration, model, ...)``: the healthy marker once the save returned."""
+    result = wrapped(*args, **kwargs)
+    monitor = hooks.get_monitor()
+    if monitor is not None:
+        bound = inspect.signature(wrapped).bind(*args, **kwargs)
+        session(monitor).after_save(bound.arguments["iteration"], bound.arguments["model"],
+                                    bool(bound.arguments.get("non_persistent_ckpt", False)))
+    return result

@@ -1,0 +1,314 @@
+"""Megatron-LM's pretrain_gpt.py under the guard, and the restart launcher.
+
+Tests marked ``megatron_lm`` train the real ``pretrain_gpt.py`` of the checkout in
+``MEGATRON_LM_DIR`` on two CPU ranks (``megatron_patches.testing.pretrain_cpu``); they patch a
+copy of it and skip, saying why, without one. The launcher tests run real child processes that
+exit like a training job would; they and the helper tests run in CI.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from megatron_patches import checkpoint
+from megatron_patches.integrations import megatron_lm
+from megatron_patches.recovery import LEDGER_FILE, Ledger
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCHER = REPO / "scripts" / "restart_on_rollback.py"
+PATCH_CLI = REPO / "scripts" / "megatron_patch.py"
+FC1 = "decoder.layers.1.mlp.linear_fc1.weight"
+
+
+def launch(tmp_path: Path, child: str, *options: str, extra: tuple = ()) -> subprocess.CompletedProcess:
+    """The launcher around ``python -c child`` (which sees the attempt number in $ATTEMPT_FILE)."""
+    env = {**os.environ, "ATTEMPT_FILE": str(tmp_path / "attempts")}
+    return subprocess.run(
+        [sys.executable, str(LAUNCHER), *options, "--", sys.executable, "-c", child, *extra],
+        capture_output=True, text=True, timeout=120, env=env)
+
+
+COUNT_ATTEMPTS = """
+import json, os, sys
+path = os.environ["ATTEMPT_FILE"]
+attempt = int(open(path).read()) + 1 if os.path.exists(path) else 1
+open(path, "w").write(str(attempt))
+"""
+
+
+def attempts(tmp_path: Path) -> int:
+    return int((tmp_path / "attempts").read_text())
+
+
+# --- the launcher (CI) -----------------------------------------------------------------------------
+
+
+def test_launcher_restarts_on_84_and_ends_with_the_successful_run(tmp_path):
+    run = launch(tmp_path, COUNT_ATTEMPTS + "sys.exit(84 if attempt == 1 else 0)", "--max-restarts", "3")
+    assert run.returncode == 0, run.stderr
+    assert attempts(tmp_path) == 2
+    assert "attempt 1: rollback (exit 84" in run.stderr and "restarting (1 of 3)" in run.stderr
+
+
+def test_launcher_reads_the_ledger_when_torchrun_reports_1(tmp_path):
+    # torchrun exits 1 when its workers exit 84; the ledger next to --save tells it was a rollback.
+    save = tmp_path / "ckpt"
+    child = COUNT_ATTEMPTS + textwrap.dedent(f"""
+    if attempt == 1:
+        os.makedirs({str(save)!r}, exist_ok=True)
+        json.dump({{"schema": "megatron_patches.ledger/1", "rollbacks": 1, "lr_scale": 0.5,
+                   "rollback_requested": {{"iteration": 4, "skip_iterations": [3, 4]}}}},
+                  open(os.path.join({str(save)!r}, {LEDGER_FILE!r}), "w"))
+        sys.exit(1)
+    sys.exit(0)
+    """)
+    run = launch(tmp_path, child, extra=("--save", str(save)))
+    assert run.returncode == 0, run.stderr
+    assert attempts(tmp_path) == 2
+    assert "ledger: rollback 1 requested at iteration 4, lr scale 0.5, skipping iterations [3, 4]" in run.stderr
+
+
+@pytest.mark.parametrize("code", [1, 85, 86])
+def test_launcher_passes_other_failures_through(tmp_path, code):
+    # An old ledger (rollback count unchanged by this attempt) is not a new rollback request.
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / LEDGER_FILE).write_text(json.dumps({"rollbacks": 1, "rollback_requested": {"iteration": 4}}))
+    run = launch(tmp_path, COUNT_ATTEMPTS + f"sys.exit({code})", "--checkpoint-dir", str(save))
+    assert run.returncode == code
+    assert attempts(tmp_path) == 1
+    assert f"exited with {code}" in run.stderr and "not a rollback" in run.stderr
+
+
+def test_launcher_stops_when_the_restart_budget_is_spent(tmp_path):
+    run = launch(tmp_path, COUNT_ATTEMPTS + "sys.exit(84)", "--max-restarts", "1")
+    assert run.returncode == 84
+    assert attempts(tmp_path) == 2
+    assert "restart budget of 1 is spent" in run.stderr
+
+
+def test_launcher_refuses_a_missing_command():
+    run = subprocess.run([sys.executable, str(LAUNCHER), "--max-restarts", "1"], capture_output=True, text=True)
+    assert run.returncode == 2 and "put the training command after --" in run.stderr
+
+
+# --- helpers that need no checkout (CI) -------------------------------------------------------------
+
+
+def _iteration_dir(root: Path, iteration: int, healthy: bool | None) -> None:
+    directory = Path(checkpoint.checkpoint_dir(str(root), iteration))
+    directory.mkdir(parents=True)
+    if healthy is not None:
+        megatron_lm.write_marker(str(directory), iteration, healthy, incidents=0)
+
+
+def test_rollback_target_is_the_newest_healthy_complete_checkpoint(tmp_path):
+    _iteration_dir(tmp_path, 2, healthy=True)
+    _iteration_dir(tmp_path, 4, healthy=True)
+    _iteration_dir(tmp_path, 6, healthy=False)   # an incident since the save at 4
+    _iteration_dir(tmp_path, 8, healthy=True)    # async save not finished: past the tracker
+    _iteration_dir(tmp_path, 10, healthy=None)   # saved without the guard: unknown, never picked
+    (tmp_path / megatron_lm.TRACKER_FILE).write_text("6")
+    assert megatron_lm.newest_healthy_iteration(str(tmp_path)) == 4
+    (tmp_path / megatron_lm.TRACKER_FILE).write_text("release")
+    assert megatron_lm.newest_healthy_iteration(str(tmp_path)) == 8
+
+
+def test_iterations_to_skip_follow_each_release_numbering():
+    # Up to core 0.16 Megatron-LM tests the 0-based index, from 0.17 on the logged number.
+    assert megatron_lm.to_iterations_to_skip([3, 4], (0, 16)) == [2, 3]
+    assert megatron_lm.to_iterations_to_skip([3, 4], (0, 17)) == [3, 4]
+
+
+def test_skip_iterations_survive_later_restarts_in_the_ledger(tmp_path):
+    ledger = Ledger(events=[{"step": 4, "exit": 84, "skip_iterations": [3, 4]}, {"resumed_from": 2},
+                            {"step": 9, "exit": 84, "skip_iterations": [9]}])
+    ledger.save(str(tmp_path))
+    assert megatron_lm.skip_iterations(Ledger.load(str(tmp_path))) == [3, 4, 9]
+
+
+def test_training_targets_are_skipped_where_megatron_training_is_absent(clean_patches, caplog):
+    pytest.importorskip("megatron.core")
+    try:
+        import megatron.training  # noqa: F401
+
+        pytest.skip("megatron.training is importable here: the optional targets would be installed")
+    except ImportError:
+        pass
+    from megatron_patches import patching
+    from megatron_patches.patching.registry import TRAINING_TARGETS
+
+    logger = logging.getLogger("megatron_patches")  # runtime.install() may have stopped propagation
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="megatron_patches"):
+            done = patching.install()
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert done and not any(t.dotted in done for t in TRAINING_TARGETS)
+    for target in TRAINING_TARGETS:
+        assert any(f"{target.dotted} skipped: {target.module} is not importable" in r.message for r in caplog.records)
+
+
+# --- with a Megatron-LM checkout (MEGATRON_LM_DIR) -----------------------------------------------------
+
+TINY = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 --train-iters 6 "
+    "--lr 1e-3 --lr-decay-style constant --mock-data --tokenizer-type NullTokenizer "
+    # core <= 0.15 mock data draws token ids up to 4095.
+    "--vocab-size 4096 --transformer-impl local --distributed-backend gloo "
+    "--use-cpu-initialization --no-gradient-accumulation-fusion --no-masked-softmax-fusion "
+    "--no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm "
+    "--eval-iters 0 --eval-interval 1000 --log-interval 1"
+).split()
+ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
+
+
+@pytest.fixture(scope="module")
+def megatron_lm_checkout() -> Path:
+    value = os.environ.get("MEGATRON_LM_DIR")
+    if not value:
+        pytest.skip("MEGATRON_LM_DIR not set: point it at a Megatron-LM checkout (core 0.12-0.16)")
+    path = Path(value)
+    if not (path / "pretrain_gpt.py").is_file():
+        pytest.skip(f"MEGATRON_LM_DIR={value} has no pretrain_gpt.py")
+    if shutil.which("git") is None:
+        pytest.skip("git not on PATH: scripts/megatron_patch.py applies the patches with git apply")
+    return path
+
+
+def patched_copy(checkout: Path, where: Path, only: str | None) -> Path:
+    """A copy of the checkout (never the checkout itself) with our source patches applied:
+    all of them, or ``--only pretrain`` (the import line; hooks then come from the runtime wrappers)."""
+    copy = where / "Megatron-LM"
+    shutil.copytree(checkout, copy, ignore=shutil.ignore_patterns(
+        ".git", "__pycache__", "tests", "docs", "examples", "images"))
+    subprocess.run([sys.executable, str(PATCH_CLI), "revert", "--megatron", str(copy)], capture_output=True)
+    proc = subprocess.run([sys.executable, str(PATCH_CLI), "apply", "--megatron", str(copy),
+                           *(["--only", only] if only else [])], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return copy
+
+
+def core_version(tree: Path) -> tuple[int, int]:
+    info = (tree / "megatron" / "core" / "package_info.py").read_text()
+    return tuple(int(re.search(rf"^{key} = (\d+)", info, re.M).group(1)) for key in ("MAJOR", "MINOR"))
+
+
+def checkpoint_format(tree: Path) -> list[str]:
+    """torch_dist saves of core <= 0.15 call np.product, gone in NumPy 2: the legacy format then."""
+    import numpy
+
+    if core_version(tree) < (0, 16) and int(numpy.__version__.split(".")[0]) >= 2:
+        return ["--ckpt-format", "torch"]
+    return []
+
+
+def pretrain_command(tree: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+            "-m", "megatron_patches.testing.pretrain_cpu", str(tree / "pretrain_gpt.py"), *TINY, *extra]
+
+
+def guard_env(tmp_path: Path, **config) -> dict:
+    path = tmp_path / "guard.yaml"
+    path.write_text(json.dumps({"report_dir": str(tmp_path / "reports"), **config}))  # JSON is YAML
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MEGATRON_PATCHES_CONFIG": str(path)}
+    return env
+
+
+def iterations(output: str) -> dict[int, str]:
+    """Megatron's per-iteration log lines by iteration number (the last one of each number wins)."""
+    return {int(m.group(1)): m.group(2) for m in ITERATION_LINE.finditer(output)}
+
+
+def incidents(tmp_path: Path) -> list[dict]:
+    path = tmp_path / "reports" / "incidents.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+@pytest.mark.megatron_lm
+@pytest.mark.multiproc
+def test_pretrain_gpt_names_the_parameter_at_megatrons_iteration(megatron_lm_checkout, tmp_path):
+    tree = patched_copy(megatron_lm_checkout, tmp_path, only=None)  # the full source patch
+    tensorboard = tmp_path / "tb"
+    env = guard_env(tmp_path, inject=[f"nan:step=3,param={FC1}"])
+    proc = subprocess.run(pretrain_command(tree, "--tensorboard-dir", str(tensorboard)),
+                          capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+
+    [incident] = incidents(tmp_path)
+    assert incident["step"] == 3 and incident["kind"] == "nan" and incident["action"] == "skip_step"
+    assert incident["first"]["name"] == FC1 and incident["first"]["layer"] == 1
+    # Iteration 3 as Megatron logs it; global batch 4, so samples 8..11 of the training set.
+    assert incident["batch"] == {"iteration": 3, "consumed_train_samples": 8, "samples": [8, 9, 10, 11]}
+    # Each rank's fault scene holds its own half of the batch: data-parallel rank 1 read 10 and 11.
+    import torch
+
+    from megatron_patches.scene import scene_dir
+
+    scene = torch.load(Path(scene_dir(str(tmp_path / "reports"), 3, 1)) / "scene.pt", weights_only=False)
+    assert {k: scene["batch"][k] for k in ("iteration", "consumed_train_samples", "samples")} == {
+        "iteration": 3, "consumed_train_samples": 8, "samples": [10, 11]}
+    logged = iterations(output)
+    assert sorted(logged) == [1, 2, 3, 4, 5, 6]
+    assert "number of skipped iterations:   1" in logged[3] and "lm loss" not in logged[3]
+    losses = [float(re.search(r"lm loss: ([^ ]+)", logged[i]).group(1)) for i in (4, 5, 6)]
+    assert all(loss == loss and loss < 100 for loss in losses), losses
+
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tensorboard))
+    events.Reload()
+    scalars = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    assert scalars["megatron_patches/incidents"] == {1: 0, 2: 0, 3: 1, 4: 1, 5: 1, 6: 1}
+    assert scalars["megatron_patches/skipped_steps"][3] == 1
+    assert sorted(scalars["megatron_patches/total_grad_norm"]) == [1, 2, 4, 5, 6]  # none for the NaN step
+
+
+@pytest.mark.megatron_lm
+@pytest.mark.multiproc
+def test_persistent_fault_exits_84_and_the_launcher_resumes_from_the_healthy_checkpoint(megatron_lm_checkout, tmp_path):
+    tree = patched_copy(megatron_lm_checkout, tmp_path, only="pretrain")  # hooks from the runtime wrappers
+    save = tmp_path / "ckpt"
+    env = guard_env(tmp_path, inject=[f"nan:step=3,count=2,param={FC1}"])
+    command = pretrain_command(tree, "--save", str(save), "--load", str(save), "--save-interval", "2",
+                               *checkpoint_format(tree))
+    # One stream, so that the launcher's lines fall between the two attempts' output.
+    proc = subprocess.run([sys.executable, str(LAUNCHER), "--max-restarts", "2", "--", *command],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=REPO, env=env)
+    output = proc.stdout
+    assert proc.returncode == 0, output[-6000:]
+
+    first, second = output.split("[restart_on_rollback] attempt 2:")
+    # Iteration 3 skipped (warning), iteration 4 again: an error, so every rank stops with 84.
+    assert first.count("stopping with exit code 84") == 2
+    assert re.search(r"exitcode\s*: 84", first)  # torchrun itself exits 1 and names the 84
+    assert "ledger: rollback 1 requested at iteration 4" in first
+    assert [i["step"] for i in incidents(tmp_path)] == [3, 4]
+    assert incidents(tmp_path)[1]["severity"] == "error" and incidents(tmp_path)[1]["action"] == "rollback"
+
+    # The restart loads iteration 2 (the newest healthy one), skips 3 and 4, trains 5 and 6 at half the lr.
+    assert re.search(r"successfully loaded checkpoint from .* at iteration\s+2\b", second), second[-4000:]
+    resumed = iterations(second)
+    assert sorted(resumed) == [5, 6]
+    assert all("learning rate: 5.000000E-04" in line and "lm loss" in line for line in resumed.values())
+    assert "learning rate: 1.000000E-03" in iterations(first)[2]
+
+    ledger = Ledger.load(str(save))
+    assert ledger.rollbacks == 1 and ledger.lr_scale == 0.5 and ledger.rollback_requested is None
+    assert ledger.events[0]["skip_iterations"] == [3, 4] and ledger.events[1]["resumed_from"] == 2
+    marks = {step: ok for step, _, ok in checkpoint.list_checkpoints(str(save))}
+    assert marks == {2: True, 6: True}  # the first run stopped before saving at 4
