@@ -19,6 +19,12 @@ _inside_check = contextvars.ContextVar("megatron_patches_inside_check", default=
 _model_chunks: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
 
 
+@functools.lru_cache(maxsize=None)
+def _signature(function: Callable) -> inspect.Signature:
+    """Signatures of the wrapped functions, computed once (finalize runs every step)."""
+    return inspect.signature(function)
+
+
 def set_monitor(monitor: Optional[Any]) -> None:
     """Make ``monitor`` the one the hooks call (None: pass through)."""
     global _monitor
@@ -72,7 +78,7 @@ def clip_grad_norm_wrapper(wrapped, instance, args, kwargs):
 
 def get_optimizer_wrapper(wrapped, instance, args, kwargs):
     """wrapt wrapper for ``get_megatron_optimizer``: remembers the model chunks."""
-    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    bound = _signature(wrapped).bind(*args, **kwargs)
     optimizer = wrapped(*args, **kwargs)
     register_model(optimizer, bound.arguments["model_chunks"])
     return optimizer
@@ -81,7 +87,7 @@ def get_optimizer_wrapper(wrapped, instance, args, kwargs):
 def finalize_model_grads_wrapper(wrapped, instance, args, kwargs):
     """wrapt wrapper for ``finalize_model_grads``: runs just before the data-parallel reduction."""
     if _monitor is not None:
-        bound = inspect.signature(wrapped).bind(*args, **kwargs)
+        bound = _signature(wrapped).bind(*args, **kwargs)
         _monitor.before_grad_reduction(bound.arguments["model"])
     return wrapped(*args, **kwargs)
 

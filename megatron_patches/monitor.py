@@ -144,6 +144,7 @@ class GradMonitor:
         self.on_exit: list[Callable[[int], None]] = []
         """Called with the exit code before the monitor ends the process (writes the ledger)."""
         self._origin_flag: Optional[torch.Tensor] = None
+        self._replica_count: Optional[int] = None
         self._pending_record: Optional[dict] = None
         self._scenes = None
         self._alerts = None
@@ -231,10 +232,19 @@ class GradMonitor:
         step = self._step + (0 if self._step_set else 1)
         if self.injector:
             self._inject_local(chunks, step)
-        if self.config.response.origin_check and step % self.config.check_interval == 0:
+        # With one replica there is nowhere else a fault could have entered: skip the extra read.
+        if (self.config.response.origin_check and step % self.config.check_interval == 0
+                and self._replicas() > 1):
             self._origin_flag = _local_nonfinite(chunks)
         for detector in self.detectors:
             detector.before_reduction(chunks, step)
+
+    def _replicas(self) -> int:
+        """Data-parallel replicas (context parallel included); fixed for the run."""
+        if self._replica_count is None:
+            layout = locate.world_layout()
+            self._replica_count = layout["dp"] * layout["cp"]
+        return self._replica_count
 
     def _inject_local(self, chunks: list, step: int) -> None:
         infos = locate.name_parameters(chunks)

@@ -1,0 +1,72 @@
+"""``make bench`` briefly, as a user runs it: the script in a fresh process, then its JSON.
+
+Timings on shared CI machines are noise at this length, so nothing here asserts a time or a
+speed ratio: only that every number the report promises is there and has the right shape.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = {"A", "B", "C", "D", "E"}
+TARGETS = {"default_step_overhead_pct", "shipped_default_step_overhead_pct", "all_detectors_read_passes",
+           "host_reads_per_checked_step", "extra_memory_pct"}
+
+
+@pytest.mark.bench
+def test_bench_reports_every_variant_host_reads_and_targets(tmp_path):
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env.pop("MEGATRON_PATCHES_CONFIG", None)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "bench_overhead.py"),
+         "--steps", "3", "--warmup", "1", "--sizes", "small", "--out", str(out)],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "[small] step 3/3" in proc.stdout  # progress while it runs
+    data = json.loads(out.read_text())
+
+    env_info = data["environment"]
+    assert env_info["torch"] and env_info["megatron_core"] and env_info["device"] and env_info["torch_threads"] >= 1
+    small = data["sizes"]["small"]
+    assert set(small["variants"]) == VARIANTS
+    assert small["yardstick_ms"]["median"] > 0 and len(small["yardstick_samples_ms"]) == 3
+    for name, v in small["variants"].items():
+        for part in ("train", "optimizer", "finalize"):
+            assert len(v[f"{part}_samples_ms"]) == 3, (name, part)
+            assert all(t > 0 for t in v[f"{part}_samples_ms"]), (name, part)
+        if name != "A":
+            assert v["overhead"]["read_passes"] is not None and v["overhead"]["read_passes_direct"] > 0, name
+
+    # Host reads: the guard's count per checked step is reported; the naive loop's proves the
+    # counter sees every read (two per gradient tensor: isnan(...).item(), isinf(...).item()).
+    tensors = small["model"]["param_tensors"]
+    assert small["variants"]["D"]["host_reads_per_checked_step"] == 2 * tensors
+    for name in ("B", "C", "E"):
+        v = small["variants"][name]
+        assert v["checked_steps_counted"] >= 1, name
+        assert isinstance(v["host_reads_per_checked_step"], (int, float)), name
+        assert v["memory"]["model_optimizer_state_bytes"] > 0 and v["memory"]["retained_bytes"] >= 0, name
+        assert v["monitor_counters"]["incidents"] == 0, name  # no threshold fired: all steps took the fast path
+
+    # Variant C: every `enabled` switch on, every check, no optional threshold left null.
+    def walk(node, where=""):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                yield from walk(value, f"{where}{key}.")
+            else:
+                yield f"{where}{key}", key, value
+
+    c_config = small["variant_configs"]["C"]
+    assert c_config["check_interval"] == 1
+    assert all(value is True for _, key, value in walk(c_config) if key == "enabled")
+    assert c_config["detectors"]["magnitude"]["param_norm_max"] is not None
+
+    targets = {t["name"]: t for t in data["targets"]}
+    assert set(targets) == TARGETS
+    for t in targets.values():
+        assert isinstance(t["met"], bool) and t["limit"] > 0 and t["verdict"], t
