@@ -1,7 +1,9 @@
 """Fault injection for tests and fire drills: ``KIND:key=value,...``.
 
 Kinds: ``nan``, ``inf`` (one element), ``spike`` (multiply the gradient by ``factor``,
-default 1e4), ``bitflip`` (flip the highest exponent bit of one element), ``saturate`` (one
+default 1e4), ``growth`` (multiply by ``factor**n`` on the n-th step of the spec, default
+factor 1.5: an explosion building up), ``bitflip`` (flip one bit of one element: ``bit``,
+0-based from the least significant, default the highest exponent bit), ``saturate`` (one
 element set to the dtype's largest finite value, as an Ascend part in saturation mode
 reports an overflow), ``poison`` (``poison:sample=I``: sample I gives a non-finite loss
 every time it is fed; the training loop applies it, see :meth:`Injector.poisoned`). Keys: ``step``
@@ -9,7 +11,7 @@ every time it is fed; the training loop applies it, see :meth:`Injector.poisoned
 default: the model's first parameter in forward order), ``rank`` (global rank; default all),
 ``count`` (consecutive steps, default 1), ``phase`` (``grad``: the gradient the optimizer
 sees, default; ``local``: this rank's gradient before the data-parallel reduction, so it
-spreads like a faulty card's would), ``factor`` (spike only).
+spreads like a faulty card's would), ``factor`` (spike and growth), ``bit`` (bitflip only).
 
 An injection is an event in time: each (spec, step) fires once, so steps replayed after a
 rollback are not injected again.
@@ -25,9 +27,9 @@ import torch
 
 from .errors import ConfigError
 
-KINDS = ("nan", "inf", "spike", "bitflip", "saturate", "poison")
+KINDS = ("nan", "inf", "spike", "bitflip", "saturate", "poison", "growth")
 PHASES = ("grad", "local")
-_KEYS = ("step", "param", "rank", "count", "phase", "factor", "sample")
+_KEYS = ("step", "param", "rank", "count", "phase", "factor", "sample", "bit")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class InjectionSpec:
     phase: str = "grad"
     factor: float = 1.0e4
     sample: Optional[int] = None
+    bit: Optional[int] = None
     text: str = ""
 
     def covers(self, step: int) -> bool:
@@ -87,9 +90,15 @@ def parse_spec(text: str) -> InjectionSpec:
         if values["phase"] not in PHASES:
             raise ConfigError(f"injection {text!r}: phase must be one of {', '.join(PHASES)}, got {values['phase']!r}")
         spec["phase"] = values["phase"]
+    if kind == "growth":
+        spec["factor"] = 1.5
+    if "bit" in values:
+        if kind != "bitflip":
+            raise ConfigError(f"injection {text!r}: bit applies to bitflip only")
+        spec["bit"] = _int("bit", values["bit"], text, 0)
     if "factor" in values:
-        if kind != "spike":
-            raise ConfigError(f"injection {text!r}: factor applies to spike only")
+        if kind not in ("spike", "growth"):
+            raise ConfigError(f"injection {text!r}: factor applies to spike and growth only")
         try:
             spec["factor"] = float(values["factor"])
         except ValueError:
@@ -97,7 +106,7 @@ def parse_spec(text: str) -> InjectionSpec:
     return InjectionSpec(**spec)
 
 
-def _corrupt(kind: str, grad: torch.Tensor, factor: float) -> None:
+def _corrupt(kind: str, grad: torch.Tensor, factor: float, bit: Optional[int] = None) -> None:
     flat = grad.view(-1)
     if flat.numel() == 0:
         return
@@ -107,13 +116,17 @@ def _corrupt(kind: str, grad: torch.Tensor, factor: float) -> None:
         flat[0] = float("inf")
     elif kind == "saturate":
         flat[0] = torch.finfo(grad.dtype).max
-    elif kind == "spike":
+    elif kind in ("spike", "growth"):
         grad.mul_(factor)
     elif kind == "bitflip":
         int_type = {2: torch.int16, 4: torch.int32, 8: torch.int64}[grad.element_size()]
         bits = flat[:1].view(int_type)
-        top_exponent_bit = grad.element_size() * 8 - 2
-        bits ^= torch.tensor(1 << top_exponent_bit, dtype=int_type).to(int_type)
+        width = grad.element_size() * 8
+        if bit is not None and bit >= width:
+            raise ConfigError(f"bitflip: bit must be < {width} for {grad.dtype}, got {bit}")
+        position = width - 2 if bit is None else bit  # default: the highest exponent bit
+        mask = (1 << position) - (1 << width if position == width - 1 else 0)  # the sign bit as a signed int
+        bits ^= torch.tensor(mask, dtype=int_type)
 
 
 class Injector:
@@ -168,8 +181,9 @@ class Injector:
                 targets = [t for t in named_grads if t[1] == 0]
             else:
                 targets = [t for t in named_grads if fnmatch.fnmatchcase(t[0], spec.param)]
+            factor = spec.factor ** (step - spec.step + 1) if spec.kind == "growth" else spec.factor
             for name, _, grad in targets:
-                _corrupt(spec.kind, grad, spec.factor)
+                _corrupt(spec.kind, grad, factor, spec.bit)
                 done.append(f"{spec.text} -> {name} on rank {rank}")
         return done
 

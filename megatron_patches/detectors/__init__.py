@@ -70,4 +70,13 @@ class Detector:
 
 def build(config: Any) -> list:
     """The detectors ``config`` switches on, in a fixed order (the vector layout depends on it)."""
-    return []
+    from .consistency import ConsistencyDetector
+    from .history import HistoryDetector
+
+    settings = config.detectors
+    detectors: list = []
+    if settings.history.enabled:
+        detectors.append(HistoryDetector(settings.history))
+    if settings.consistency.enabled:
+        detectors.append(ConsistencyDetector(settings.consistency))
+    return detectors

@@ -1,0 +1,302 @@
+"""Gradient-norm history: outliers and sustained growth that are still finite.
+
+Three levels are watched: every parameter (this rank's, on the device), every layer and the
+whole model (world-wide norms the monitor has already reduced, so judged on the host with
+no extra collective). Each level keeps, in log space, an exponential moving mean and
+variance, a count of accepted samples, the last accepted value and a growth run length:
+
+- ``zscore``: ``log(norm)`` is more than ``zscore`` standard deviations above the moving
+  mean *and* the norm is more than ``min_ratio`` times the baseline ``exp(mean)``.
+- ``drift`` (layers and total only): the norm grew by more than ``drift_ratio`` on each of
+  ``drift_steps`` consecutive checked steps. Single tensors are too noisy for a per-step rule
+  (a layer-norm bias grows 20% five times in a row in clean runs); a tensor that keeps
+  growing trips its own z-score within a few steps, and a growth that matters shows in its layer.
+
+No verdict before ``warmup_steps`` accepted samples. Only accepted steps update the
+statistics (``commit(accepted=False)`` leaves them alone), and once warm each update is
+winsorized to +-2 standard deviations, so neither a skipped bad step nor an accepted
+near-miss can drag the baseline. Memory: five floats per parameter tensor and per layer.
+``state_dict`` carries all of it, so a restart keeps its baseline and checks its first step.
+See docs/detectors.md for why EMA rather than median/MAD, and what the defaults are based on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from . import CheckContext, Detector
+
+_CLIP = 2.0
+"""Once warm, an accepted sample moves the statistics as if it were at most this many
+standard deviations from the mean (a Huber-style winsorized update)."""
+_MIN_SD = 1e-3
+"""Floor on the standard deviation in log space (a perfectly steady series is not infinitely sure)."""
+_Z = 0  # slot of this detector's piece of the reduced vector: parameters over their z-score
+
+
+@dataclass
+class _Judged:
+    """One level's view of one checked step, kept until ``commit``."""
+
+    logn: Any
+    valid: Any
+    z: Any
+    zflag: Any
+    dflag: Any
+    run: Any
+
+
+class _Stats:
+    """Moving statistics of log-norms for a vector of series: torch tensors on the device for
+    the parameters, numpy arrays on the host for the layers and the total (no tensor, no sync).
+    Both run the same code: only operations torch and numpy spell alike are used."""
+
+    FIELDS = ("mean", "var", "count", "last", "run")
+
+    def __init__(self, size: int, device: Optional[torch.device] = None):
+        self.xp = torch if device is not None else np
+        for name in self.FIELDS:
+            setattr(self, name, torch.zeros(size, dtype=torch.float32, device=device) if device is not None
+                    else np.zeros(size))
+
+    @classmethod
+    def from_lists(cls, lists: dict, device: Optional[torch.device] = None) -> "_Stats":
+        stats = cls(len(lists["mean"]), device)
+        for name in cls.FIELDS:
+            setattr(stats, name, torch.tensor(lists[name], dtype=torch.float32, device=device) if device is not None
+                    else np.array(lists[name], dtype=float))
+        return stats
+
+    def to_lists(self) -> dict:
+        return {name: getattr(self, name).tolist() for name in self.FIELDS}
+
+    def take(self, index: list[int], device: torch.device) -> "_Stats":
+        """Rows ``index`` (-1: a fresh row) as a new device _Stats."""
+        out = _Stats(len(index), device)
+        keep = [(new, old) for new, old in enumerate(index) if old >= 0]
+        if keep:
+            new_rows = torch.tensor([n for n, _ in keep], device=device)
+            old_rows = torch.tensor([o for _, o in keep], device=self.mean.device)
+            for name in self.FIELDS:
+                getattr(out, name)[new_rows] = getattr(self, name)[old_rows].to(device)
+        return out
+
+    def judge(self, norms: Any, valid: Any, cfg: Any, drift: bool = True) -> _Judged:
+        xp = self.xp
+        logn = xp.log(xp.clip(norms, 1e-30, None))
+        valid = valid & xp.isfinite(norms) & (norms > 0)
+        warmed = self.count >= cfg.warmup_steps
+        dev = logn - self.mean
+        z = dev / xp.clip(xp.sqrt(self.var), _MIN_SD, None)
+        zflag = valid & warmed & (z > cfg.zscore) & (dev > math.log(cfg.min_ratio))
+        grow = valid & (self.count > 0) & (logn - self.last > math.log(cfg.drift_ratio))
+        run = xp.where(grow, self.run + 1, xp.zeros_like(self.run))
+        dflag = valid & warmed & (run >= cfg.drift_steps) & drift
+        return _Judged(logn, valid, z, zflag, dflag, run)
+
+    def update(self, j: _Judged, cfg: Any) -> None:
+        xp = self.xp
+        alpha = xp.clip(1.0 / (self.count + 1), 1.0 - cfg.ema_beta, None)
+        dev = j.logn - self.mean
+        limit = _CLIP * xp.clip(xp.sqrt(self.var), _MIN_SD, None)
+        dev = xp.where(self.count >= cfg.warmup_steps, xp.maximum(xp.minimum(dev, limit), -limit), dev)
+        self.mean = xp.where(j.valid, self.mean + alpha * dev, self.mean)
+        self.var = xp.where(j.valid, (1.0 - alpha) * (self.var + alpha * dev * dev), self.var)
+        self.count = self.count + xp.where(j.valid, 1.0, 0.0)
+        self.last = xp.where(j.valid, j.logn, self.last)
+        self.run = xp.where(j.valid, j.run, self.run)
+
+
+class HistoryDetector(Detector):
+    """z-score outliers (kind ``zscore``) and sustained growth (kind ``drift``) of gradient norms."""
+
+    name = "history"
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+        self._checks = 0
+        self._active = False
+        self._keys: Optional[tuple] = None
+        self._layout: Optional[tuple] = None
+        self._params: Optional[_Stats] = None
+        self._total: Optional[_Stats] = None
+        self._layers: Optional[_Stats] = None
+        self._loaded: Optional[dict] = None
+        self._judged: dict[str, Optional[_Judged]] = {}
+        self._param_flags = 0.0
+
+    # --- fast path -------------------------------------------------------------------
+
+    def width(self) -> int:
+        return 1 if self.cfg.per_param else 0
+
+    def local(self, ctx: CheckContext, out: torch.Tensor) -> None:
+        self._checks += 1
+        self._active = (self._checks - 1) % self.cfg.interval == 0
+        self._judged = {}
+        if not self._active or not self.cfg.per_param or ctx.norms is None:
+            return
+        stats = self._param_stats(ctx)
+        # Parameters are judged by z-score only: per-tensor norms (biases, norms) are too noisy
+        # for a per-step growth rule; a growth that matters shows in its layer's norm.
+        mask = self._sample_mask(len(ctx.entries), ctx.device)
+        judged = self._judged["params"] = stats.judge(ctx.norms, mask, self.cfg, drift=False)
+        out[_Z] = judged.zflag.sum()
+
+    def verdict(self, ctx: CheckContext, reduced: list) -> list:
+        if not self._active:
+            return []
+        self._param_flags = reduced[_Z] if self.cfg.per_param else 0.0
+        layers = ctx.layer_norms or []
+        if self._total is None or self._layers is None or len(self._layers.mean) != len(layers):
+            self._total, self._layers = _Stats(1), _Stats(len(layers))
+        for level, stats, values in (("total", self._total, [ctx.total_norm]), ("layers", self._layers, layers)):
+            norms = np.array(values, dtype=float)
+            self._judged[level] = stats.judge(norms, np.ones(len(values), dtype=bool), self.cfg)
+        kinds = []
+        if self._param_flags > 0 or any(bool(j.zflag.any()) for k, j in self._judged.items() if k != "params"):
+            kinds.append("zscore")
+        if any(bool(j.dflag.any()) for k, j in self._judged.items() if k != "params"):
+            kinds.append("drift")
+        return kinds
+
+    def commit(self, ctx: CheckContext, accepted: bool) -> None:
+        if self._active and accepted:
+            for level, stats in (("params", self._params), ("total", self._total), ("layers", self._layers)):
+                if self._judged.get(level) is not None and stats is not None:
+                    stats.update(self._judged[level], self.cfg)
+        self._judged = {}
+
+    # --- slow path -------------------------------------------------------------------
+
+    def suspects(self, ctx: CheckContext, norm_list: list) -> dict:
+        if not self._judged:
+            return {}
+        params = self._judged.get("params")
+        if params is not None and self._param_flags > 0:
+            # Some parameter tripped its own statistics somewhere: name those, nothing else.
+            return {i: ["zscore"] for i, z in enumerate(params.zflag.tolist()) if z}
+        reasons, slots, whole = [], set(), False
+        for level in ("total", "layers"):
+            j = self._judged.get(level)
+            if j is None:
+                continue
+            for kind, flags in (("zscore", j.zflag.tolist()), ("drift", j.dflag.tolist())):
+                hit = [i for i, f in enumerate(flags) if f]
+                if hit:
+                    reasons.append(f"{kind}_{'total' if level == 'total' else 'layer'}")
+                    whole = whole or level == "total"
+                    slots.update(hit if level == "layers" else ())
+        if not reasons:
+            return {}
+        # Only the total or a layer tripped: name the largest contributor (of that layer).
+        best = self._largest_contributor(ctx, norm_list, None if whole else slots)
+        return {best: reasons} if best is not None else {}
+
+    def _largest_contributor(self, ctx: CheckContext, norm_list: list, slots: Optional[set]) -> Optional[int]:
+        """The parameter whose squared norm rose most above its own baseline."""
+        baseline = self._params.mean.exp().tolist() if self._params is not None and self.cfg.per_param else None
+        best, best_rise = None, 0.0
+        for i, (entry, norm) in enumerate(zip(ctx.entries, norm_list)):
+            if slots is not None and entry.slot not in slots or not math.isfinite(norm):
+                continue
+            base = baseline[i] if baseline is not None and baseline[i] > 1e-30 else 0.0
+            rise = norm * norm - base * base
+            if rise > best_rise:
+                best, best_rise = i, rise
+        return best
+
+    def extra(self, ctx: CheckContext, reduced: list) -> dict:
+        if not self._judged:
+            return {}
+        tripped = []
+        for level, stats in (("total", self._total), ("layers", self._layers)):
+            j = self._judged.get(level)
+            if j is None or stats is None:
+                continue
+            rows = zip(j.z.tolist(), j.zflag.tolist(), j.dflag.tolist(), j.run.tolist(), j.logn.tolist(),
+                       stats.mean.tolist())
+            for i, (z, zf, df, run, logn, mean) in enumerate(rows):
+                if zf or df:
+                    tripped.append({
+                        "level": "total" if level == "total" else _layer_name(i, len(j.z)),
+                        "kinds": (["zscore"] if zf else []) + (["drift"] if df else []),
+                        "z": round(z, 2), "ratio_to_baseline": round(math.exp(logn - mean), 3),
+                        "growth_steps": int(run)})
+        if self._param_flags:
+            tripped.append({"level": "parameters", "kinds": ["zscore"], "count": int(self._param_flags)})
+        if not tripped:
+            return {}
+        cfg = self.cfg
+        return {"history": {"tripped": tripped, "zscore": cfg.zscore, "min_ratio": cfg.min_ratio,
+                            "drift_ratio": cfg.drift_ratio, "drift_steps": cfg.drift_steps,
+                            "baseline_steps": int(self._total.count[0]) if self._total is not None else 0}}
+
+    # --- state -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        state: dict[str, Any] = {"version": 1, "checks": self._checks}
+        if self._params is not None and self._keys is not None:
+            state["params"] = {"names": [k[0] for k in self._keys], "shapes": [list(k[1]) for k in self._keys],
+                               **self._params.to_lists()}
+        elif self._loaded is not None and "params" in self._loaded:
+            state["params"] = self._loaded["params"]  # loaded but no step checked since
+        for level in ("total", "layers"):
+            stats = getattr(self, f"_{level}")
+            if stats is not None:
+                state[level] = stats.to_lists()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state:
+            return
+        self._checks = int(state.get("checks", 0))
+        for level in ("total", "layers"):
+            lists = state.get(level)
+            setattr(self, f"_{level}", _Stats.from_lists(lists) if lists else None)
+        # Per-parameter rows are matched by (name, shape) at the next check, on the device.
+        self._loaded = {"params": state["params"]} if "params" in state else None
+        self._params, self._keys, self._layout = None, None, None
+
+    # --- helpers ---------------------------------------------------------------------
+
+    def _param_stats(self, ctx: CheckContext) -> _Stats:
+        layout = tuple(map(id, ctx.entries))
+        if layout == self._layout and self._params is not None:
+            return self._params
+        keys = tuple((e.info.name, tuple(e.model.shape)) for e in ctx.entries)
+        if self._params is not None and self._keys is not None:
+            source, old_keys = self._params, self._keys
+        elif self._loaded is not None and "params" in self._loaded:
+            lists = self._loaded["params"]
+            source = _Stats.from_lists(lists, torch.device("cpu"))
+            old_keys = tuple((n, tuple(s)) for n, s in zip(lists["names"], lists["shapes"]))
+            self._loaded = None
+        else:
+            source, old_keys = None, ()
+        where = {k: i for i, k in enumerate(old_keys)}
+        index = [where.get(k, -1) for k in keys]
+        self._params = source.take(index, ctx.device) if source is not None else _Stats(len(keys), ctx.device)
+        self._keys, self._layout = keys, layout
+        return self._params
+
+    def _sample_mask(self, size: int, device: torch.device) -> torch.Tensor:
+        """Every parameter when ``sample_fraction`` is 1, else a rotating 1/m of them."""
+        period = max(1, round(1.0 / self.cfg.sample_fraction))
+        if period == 1:
+            return torch.ones(size, dtype=torch.bool, device=device)
+        turn = ((self._checks - 1) // self.cfg.interval) % period
+        return torch.arange(size, device=device) % period == turn
+
+
+def _layer_name(index: int, count: int) -> str:
+    if index == count - 2:
+        return "embedding"
+    if index == count - 1:
+        return "output"
+    return f"layer {index}"
