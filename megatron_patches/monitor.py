@@ -190,7 +190,10 @@ class GradMonitor:
 
     def load_state_dict(self, state: dict) -> None:
         self._step = int(state.get("step", self._step))
-        self.counters.update(state.get("counters", {}))
+        # Counters are totals over the job's life: a rollback in this process must not lower
+        # them, a fresh process resuming takes the saved ones.
+        for name, value in state.get("counters", {}).items():
+            self.counters[name] = max(self.counters.get(name, 0), value)
         for detector in self.detectors:
             if detector.name in state.get("detectors", {}):
                 detector.load_state_dict(state["detectors"][detector.name])
@@ -341,14 +344,16 @@ class GradMonitor:
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(vec)  # every rank joins, stub optimizers included
         values = vec.tolist()  # the one host read of a checked step
-        self.counters["checked_steps"] += 1
         num_slots = self._num_slots[id(optimizer)]
         total_norm = math.sqrt(values[_TOTAL_SQ]) if values[_TOTAL_SQ] >= 0 else float("nan")
-        ctx.total_norm = self.last_total_norm = total_norm
+        ctx.total_norm = total_norm
         layer_sq = values[_HEAD:_HEAD + num_slots]
         ctx.layer_norms = [math.sqrt(v) if v >= 0 else float("nan") for v in layer_sq]
-        self.last_layer_norms = dict(zip(_slot_names(num_slots), ctx.layer_norms))
-        self._write_history(step, total_norm, layer_sq)
+        if not self._replaying:  # a replay is a diagnosis, not a training step: no history of it
+            self.counters["checked_steps"] += 1
+            self.last_total_norm = total_norm
+            self.last_layer_norms = dict(zip(_slot_names(num_slots), ctx.layer_norms))
+            self._write_history(step, total_norm, layer_sq)
         magnitude = self.config.detectors.magnitude
         total_over = (magnitude.enabled and magnitude.total_norm_max is not None
                       and not total_norm <= magnitude.total_norm_max and values[_NONFINITE] == 0)
@@ -364,6 +369,8 @@ class GradMonitor:
         origins = [r for r, flag in enumerate(values[len(values) - world:]) if flag > 0]
         flagged = bool(values[_NONFINITE] or values[_OVER_PARAM] or values[_SATURATED] or total_over or kinds)
         if self._replaying:
+            for detector in self.detectors:
+                detector.commit(ctx, accepted=False)  # judged, but baselines stay as they were
             return self._replay_verdict(ctx, maxabs, total_over, flagged)
         if not flagged:
             for detector in self.detectors:
@@ -623,7 +630,8 @@ def _describe(kind: str, findings: list[ParamFinding], total_norm: float) -> str
         return f"{kind} in gradients (total norm {total_norm:.4g})"
     first = max(findings, key=lambda f: f.order)
     ranks = sorted({f.ranks["global"] for f in findings})
-    return (f"{kind} gradient first at {first.name} (layer {first.layer}, rank {first.ranks['global']}); "
+    what = f"{kind} gradient" if kind in ("nan", "inf", "overflow", "magnitude") else kind
+    return (f"{what} first at {first.name} (layer {first.layer}, rank {first.ranks['global']}); "
             f"{len({f.name for f in findings})} parameter(s) on rank(s) {ranks}")
 
 

@@ -88,9 +88,12 @@ def _effective_config(args: argparse.Namespace) -> str:
     path = os.path.join(args.out, "effective_config.yaml")
     import dataclasses
 
-    with open(path + ".tmp", "w", encoding="utf-8") as handle:
+    # Every rank writes the same content; a temporary name per process keeps them from
+    # renaming each other's half-written file.
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as handle:
         yaml.safe_dump(_plain(dataclasses.asdict(config)), handle, sort_keys=False)
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
     return path
 
 

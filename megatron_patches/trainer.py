@@ -199,6 +199,10 @@ class TinyTrainer:
 
         common = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         self.sampler.load_state_dict(common["sampler"])
+        if self.monitor is not None and common.get("monitor"):
+            # Baselines (gradient-norm history) survive the restore, so the first step after it
+            # is judged against what was normal, not a fresh warm-up.
+            self.monitor.load_state_dict(common["monitor"])
         return int(common["step"])
 
     def set_lr_scale(self, scale: float) -> None:
