@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_patches.testing.pretrain_cpu import TINY_GPT_ARGS
+
 from megatron_patches import checkpoint
 from megatron_patches.integrations import megatron_lm
 from megatron_patches.recovery import LEDGER_FILE, Ledger
@@ -162,16 +164,7 @@ def test_training_targets_are_skipped_where_megatron_training_is_absent(clean_pa
 
 # --- with a Megatron-LM checkout (MEGATRON_LM_DIR) -----------------------------------------------------
 
-TINY = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-    "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 --train-iters 6 "
-    "--lr 1e-3 --lr-decay-style constant --mock-data --tokenizer-type NullTokenizer "
-    # core <= 0.15 mock data draws token ids up to 4095.
-    "--vocab-size 4096 --transformer-impl local --distributed-backend gloo "
-    "--use-cpu-initialization --no-gradient-accumulation-fusion --no-masked-softmax-fusion "
-    "--no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm "
-    "--eval-iters 0 --eval-interval 1000 --log-interval 1"
-).split()
+TINY = [*TINY_GPT_ARGS, "--train-iters", "6"]
 ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_patches.testing.pretrain_cpu import TINY_GPT_ARGS
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "megatron_patch.py"
 SDIST_VERSION = "0.16.1"
@@ -239,16 +241,7 @@ def test_patched_pretrain_gpt_trains_on_two_cpu_ranks(megatron_lm_dir, tmp_path)
     patch_cli("revert", "--megatron", copy)  # start from stock if the checkout was patched
     assert patch_cli("apply", "--megatron", copy).returncode == 0
 
-    tiny = (
-        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-        "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 --train-iters 3 "
-        "--lr 1e-3 --lr-decay-style constant --mock-data --tokenizer-type NullTokenizer "
-        # core <= 0.15 mock data draws token ids up to 4095.
-        "--vocab-size 4096 --transformer-impl local --distributed-backend gloo "
-        "--use-cpu-initialization --no-gradient-accumulation-fusion --no-masked-softmax-fusion "
-        "--no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm "
-        "--eval-iters 0 --eval-interval 1000 --log-interval 1"
-    ).split()
+    tiny = [*TINY_GPT_ARGS, "--train-iters", "3"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     env.pop("MEGATRON_PATCHES_CONFIG", None)
     proc = subprocess.run(

@@ -22,6 +22,19 @@ import runpy
 import sys
 from pathlib import Path
 
+TINY_GPT_ARGS = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 "
+    "--lr 1e-3 --lr-decay-style constant --mock-data --tokenizer-type NullTokenizer "
+    # core <= 0.15 mock data draws token ids up to 4095.
+    "--vocab-size 4096 --transformer-impl local --distributed-backend gloo "
+    "--use-cpu-initialization --no-gradient-accumulation-fusion --no-masked-softmax-fusion "
+    "--no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm "
+    "--eval-iters 0 --eval-interval 1000 --log-interval 1"
+).split()
+"""A tiny GPT that trains on 2 CPU ranks with gloo (add ``--train-iters N``): the regression
+configuration the tests use, and a starting point for CPU-only CI runners."""
+
 USAGE = "usage: python -m megatron_patches.testing.pretrain_cpu PATH/pretrain_gpt.py [ARGS...]"
 
 
