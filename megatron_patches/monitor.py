@@ -13,13 +13,13 @@ import logging
 import math
 import os
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
 from . import detectors as detector_plugins
 from . import hooks, locate
+from .collectives import broadcast_from_zero, collective_device, gather_to_zero
 from .config import Config
 from .detectors import CheckContext
 from .incidents import (
@@ -32,53 +32,13 @@ from .incidents import (
     make_record,
 )
 from .inject import Injector, parse_spec
+from .optimizer_params import Entry, build_entries, current_grads, leaves, local_nonfinite
 from .response import EXIT_CRITICAL, EXIT_ROLLBACK, EXIT_STOP, Decision, GradePolicy
 
 log = logging.getLogger("megatron_patches")
 
 # Slots of the reduced vector ahead of the per-layer sums of squares.
 _NONFINITE, _OVER_PARAM, _SATURATED, _TOTAL_SQ, _HEAD = 0, 1, 2, 3, 4
-
-
-@dataclass
-class _Entry:
-    """One optimizer parameter this rank holds, with where it comes from."""
-
-    main: torch.Tensor
-    model: torch.Tensor
-    info: locate.ParamInfo
-    shard: bool
-    weight: float
-    """Factor on its squared norm so that the world-wide sum counts each element once."""
-    slot: int
-    """Index into the per-layer sums: layer i -> i, embedding -> L, output side -> L + 1."""
-
-
-def _leaves(optimizer: Any) -> list:
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-
-
-def _param_pairs(leaf: Any):
-    """(main param the optimizer steps, model param it belongs to, is_shard) of one leaf."""
-    if getattr(leaf, "is_stub_optimizer", False) or getattr(leaf, "optimizer", None) is None:
-        return
-    if hasattr(leaf, "shard_fp32_from_float16_groups"):  # DistributedOptimizer
-        for models, mains in zip(leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups):
-            yield from ((s, m, True) for m, s in zip(models, mains))
-        for models, mains in zip(leaf.model_fp32_groups, leaf.shard_fp32_groups):
-            yield from ((s, m, True) for m, s in zip(models, mains))
-    elif hasattr(leaf, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
-        for models, mains in zip(leaf.float16_groups, leaf.fp32_from_float16_groups):
-            yield from ((s, m, False) for m, s in zip(models, mains))
-        for group in leaf.fp32_from_fp32_groups:
-            yield from ((p, p, False) for p in group)
-    else:  # FP32Optimizer: the optimizer steps the model parameters themselves
-        for group in leaf.optimizer.param_groups:
-            yield from ((p, p, False) for p in group["params"])
-
-
-def _uses_decoupled_grad(leaf: Any) -> bool:
-    return bool(getattr(leaf.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
 
 
 def resolve_overflow_mode(mode: str) -> str:
@@ -117,7 +77,7 @@ class GradMonitor:
         self._step_set = False
         self._batch: list[int] = []
         self._batch_info: dict = {}
-        self._entries: "weakref.WeakKeyDictionary[Any, list[_Entry]]" = weakref.WeakKeyDictionary()
+        self._entries: "weakref.WeakKeyDictionary[Any, list[Entry]]" = weakref.WeakKeyDictionary()
         self._num_slots: dict[int, int] = {}
         self._static: dict[tuple, tuple] = {}
         self._prepared: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -238,7 +198,7 @@ class GradMonitor:
         # With one replica there is nowhere else a fault could have entered: skip the extra read.
         if (self.config.response.origin_check and step % self.config.check_interval == 0
                 and self._replicas() > 1):
-            self._origin_flag = _local_nonfinite(chunks)
+            self._origin_flag = local_nonfinite(chunks)
         for detector in self.detectors:
             detector.before_reduction(chunks, step)
 
@@ -262,38 +222,17 @@ class GradMonitor:
 
     # --- fast path -----------------------------------------------------------------------
 
-    def _entries_for(self, optimizer: Any) -> list[_Entry]:
+    def _entries_for(self, optimizer: Any) -> list[Entry]:
         entries = self._entries.get(optimizer)
-        if entries is not None:
-            return entries
-        chunks = hooks.model_chunks_for(optimizer) or []
-        infos = locate.name_parameters(chunks)
-        num_layers = max((locate.num_layers(c) for c in chunks), default=0)
-        ps = locate._parallel_state()
-        dense_dp = ps.get_data_parallel_world_size(with_context_parallel=True) if ps else 1
-        expert_dp = ps.get_expert_data_parallel_world_size() if ps and hasattr(ps, "get_expert_data_parallel_world_size") else 1
-        entries = []
-        for leaf in _leaves(optimizer):
-            for index, (main, model, shard) in enumerate(_param_pairs(leaf)):
-                info = infos.get(id(model)) or locate.ParamInfo(
-                    name=f"unnamed[{index}] {tuple(model.shape)}", layer=None, order=index, counts_in_norm=True)
-                replicas = 1 if shard else (dense_dp if getattr(model, "allreduce", True) else expert_dp)
-                if info.layer is not None and info.layer < num_layers:
-                    slot = info.layer
-                else:
-                    slot = num_layers if info.name.startswith("embedding") else num_layers + 1
-                entries.append(_Entry(main, model, info, shard, (1.0 / replicas) if info.counts_in_norm else 0.0, slot))
-        self._entries[optimizer] = entries
-        self._num_slots[id(optimizer)] = num_layers + 2
+        if entries is None:
+            entries, self._num_slots[id(optimizer)] = build_entries(optimizer, hooks.model_chunks_for(optimizer) or [])
+            self._entries[optimizer] = entries
         return entries
 
-    def _grads(self, optimizer: Any, entries: list[_Entry]):
-        decoupled = {id(leaf): _uses_decoupled_grad(leaf) for leaf in _leaves(optimizer)}
-        use_decoupled = any(decoupled.values())
-        for e in entries:
-            yield e, (getattr(e.main, "decoupled_grad", None) if use_decoupled else e.main.grad)
+    def _grads(self, optimizer: Any, entries: list[Entry]):
+        return current_grads(optimizer, entries)
 
-    def _static_tensors(self, optimizer: Any, live: list[_Entry], device: torch.device):
+    def _static_tensors(self, optimizer: Any, live: list[Entry], device: torch.device):
         key = (id(optimizer), len(live), device)
         cached = self._static.get(key)
         if cached is None:
@@ -304,12 +243,12 @@ class GradMonitor:
             cached = self._static[key] = (weights, slots, limits)
         return cached
 
-    def _local_stats(self, optimizer: Any, entries: list[_Entry], step: int):
+    def _local_stats(self, optimizer: Any, entries: list[Entry], step: int):
         """Per-parameter norms on the device and the vector to all-reduce."""
         pairs = [(e, g) for e, g in self._grads(optimizer, entries) if g is not None and g.numel() > 0]
         live = [e for e, _ in pairs]
         grads = [g for _, g in pairs]
-        device = grads[0].device if grads else _collective_device()
+        device = grads[0].device if grads else collective_device()
         num_slots = self._num_slots[id(optimizer)]
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         vec = torch.zeros(_HEAD + num_slots + self._detector_width + world, dtype=torch.float32, device=device)
@@ -339,7 +278,7 @@ class GradMonitor:
             offset += width
         return ctx, maxabs, vec
 
-    def _check(self, optimizer: Any, entries: list[_Entry], step: int, action: str = "skip_step") -> bool:
+    def _check(self, optimizer: Any, entries: list[Entry], step: int, action: str = "skip_step") -> bool:
         ctx, maxabs, vec = self._local_stats(optimizer, entries, step)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(vec)  # every rank joins, stub optimizers included
@@ -424,7 +363,7 @@ class GradMonitor:
                   action: str, origins: list) -> bool:
         step = ctx.step
         findings = self._findings(ctx, maxabs, total_over)
-        everyone = _gather_to_zero({"findings": findings, "batch": self._batch, "ranks": locate.rank_info()})
+        everyone = gather_to_zero({"findings": findings, "batch": self._batch, "ranks": locate.rank_info()})
         record: dict = {}
         decision = None
         if self.rank == 0:
@@ -457,7 +396,7 @@ class GradMonitor:
             self.last_incident_ranks = record["ranks_affected"]
             log.warning("step %d: %s: %s -> %s (%s)", step, decision.severity, record["message"],
                         decision.action, decision.reason)
-        decision = _broadcast_from_zero(decision)
+        decision = broadcast_from_zero(decision)
         self.decision = decision
         self.counters["incidents"] += 1
         if decision.action == "skip_step":
@@ -490,10 +429,10 @@ class GradMonitor:
     def _replay_verdict(self, ctx: CheckContext, maxabs, total_over: bool, flagged: bool) -> bool:
         first = None
         if flagged:
-            everyone = _gather_to_zero(self._findings(ctx, maxabs, total_over))
+            everyone = gather_to_zero(self._findings(ctx, maxabs, total_over))
             found = [f for part in everyone for f in part]
             first = max(found, key=lambda f: f.order).name if found else None
-        self._replay_result = _broadcast_from_zero({"flagged": flagged, "first": first})
+        self._replay_result = broadcast_from_zero({"flagged": flagged, "first": first})
         return True
 
     def resolve(self, **fields: Any) -> None:
@@ -584,7 +523,7 @@ class GradMonitor:
         self.counters["scaler_overflows"] += 1
         self._consecutive_overflows += 1
         settings = self.config.detectors.loss_scale
-        scaler = next((getattr(l, "grad_scaler", None) for l in _leaves(optimizer)
+        scaler = next((getattr(l, "grad_scaler", None) for l in leaves(optimizer)
                        if getattr(l, "grad_scaler", None) is not None), None)
         scale = float(scaler.scale) if scaler is not None else None
         collapsed = scale is not None and scale <= settings.min_scale
@@ -643,48 +582,3 @@ def _slot_names(num_slots: int) -> list[str]:
 def _at_least(severity: str, floor: str) -> bool:
     order = ("warning", "error", "critical")
     return order.index(severity) >= order.index(floor)
-
-
-def _local_nonfinite(chunks: list) -> torch.Tensor:
-    """1.0 when this rank's own gradients hold NaN/Inf before the data-parallel reduction:
-    one fused pass over DDP's contiguous gradient buffers (or the per-parameter grads)."""
-    tensors = []
-    for chunk in chunks:
-        buffers = list(getattr(chunk, "buffers", []) or []) + list(getattr(chunk, "expert_parallel_buffers", []) or [])
-        if buffers and all(hasattr(b, "grad_data") for b in buffers):
-            tensors += [b.grad_data for b in buffers]
-        else:
-            for p in chunk.parameters():
-                g = getattr(p, "main_grad", None)
-                g = g if g is not None else p.grad
-                if g is not None:
-                    tensors.append(g)
-    tensors = [t for t in tensors if t.numel() > 0]
-    if not tensors:
-        return torch.zeros((), device=_collective_device())
-    return (~torch.isfinite(torch.stack(torch._foreach_norm(tensors)))).any().float()
-
-
-def _collective_device() -> torch.device:
-    if torch.distributed.is_initialized() and torch.distributed.get_backend() != "gloo":
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        if hasattr(torch, "npu"):
-            return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
-    return torch.device("cpu")
-
-
-def _gather_to_zero(obj: Any) -> list:
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return [obj]
-    out = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
-    torch.distributed.gather_object(obj, out, dst=0)
-    return out or []
-
-
-def _broadcast_from_zero(obj: Any) -> Any:
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]

@@ -11,11 +11,8 @@ Rank 0 prints one line per step and writes ``<out>/result.json``.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
-import time
 from typing import Optional
 
 from .errors import UserError

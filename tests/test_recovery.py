@@ -1,7 +1,6 @@
 """Graded response, replay diagnosis, fault scenes and the rollback protocol, on real runs."""
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -1,0 +1,107 @@
+"""Which gradients an optimizer is about to apply, and whose they are.
+
+megatron-core's leaf optimizers keep their parameters differently: the FP32 optimizer steps the
+model parameters themselves, the Float16 optimizer steps fp32 copies (``main_param``), and the
+distributed optimizer steps fp32 shards of them. :func:`build_entries` pairs every parameter the
+optimizer steps with the model parameter it belongs to and that parameter's global name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import locate
+from .collectives import collective_device
+
+
+@dataclass
+class Entry:
+    """One optimizer parameter this rank holds, with where it comes from."""
+
+    main: torch.Tensor
+    model: torch.Tensor
+    info: locate.ParamInfo
+    shard: bool
+    weight: float
+    """Factor on its squared norm so that the world-wide sum counts each element once."""
+    slot: int
+    """Index into the per-layer sums: layer i -> i, embedding -> L, output side -> L + 1."""
+
+
+def leaves(optimizer: Any) -> list:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def param_pairs(leaf: Any):
+    """(main param the optimizer steps, model param it belongs to, is_shard) of one leaf."""
+    if getattr(leaf, "is_stub_optimizer", False) or getattr(leaf, "optimizer", None) is None:
+        return
+    if hasattr(leaf, "shard_fp32_from_float16_groups"):  # DistributedOptimizer
+        for models, mains in zip(leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups):
+            yield from ((s, m, True) for m, s in zip(models, mains))
+        for models, mains in zip(leaf.model_fp32_groups, leaf.shard_fp32_groups):
+            yield from ((s, m, True) for m, s in zip(models, mains))
+    elif hasattr(leaf, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
+        for models, mains in zip(leaf.float16_groups, leaf.fp32_from_float16_groups):
+            yield from ((s, m, False) for m, s in zip(models, mains))
+        for group in leaf.fp32_from_fp32_groups:
+            yield from ((p, p, False) for p in group)
+    else:  # FP32Optimizer: the optimizer steps the model parameters themselves
+        for group in leaf.optimizer.param_groups:
+            yield from ((p, p, False) for p in group["params"])
+
+
+def uses_decoupled_grad(leaf: Any) -> bool:
+    return bool(getattr(leaf.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
+
+
+def build_entries(optimizer: Any, model_chunks: list) -> tuple[list[Entry], int]:
+    """Entries of every parameter ``optimizer`` steps on this rank, and the number of per-layer
+    slots (transformer layers, embedding, output side)."""
+    infos = locate.name_parameters(model_chunks)
+    num_layers = max((locate.num_layers(c) for c in model_chunks), default=0)
+    ps = locate._parallel_state()
+    dense_dp = ps.get_data_parallel_world_size(with_context_parallel=True) if ps else 1
+    expert_dp = ps.get_expert_data_parallel_world_size() if ps and hasattr(ps, "get_expert_data_parallel_world_size") else 1
+    entries = []
+    for leaf in leaves(optimizer):
+        for index, (main, model, shard) in enumerate(param_pairs(leaf)):
+            info = infos.get(id(model)) or locate.ParamInfo(
+                name=f"unnamed[{index}] {tuple(model.shape)}", layer=None, order=index, counts_in_norm=True)
+            replicas = 1 if shard else (dense_dp if getattr(model, "allreduce", True) else expert_dp)
+            if info.layer is not None and info.layer < num_layers:
+                slot = info.layer
+            else:
+                slot = num_layers if info.name.startswith("embedding") else num_layers + 1
+            entries.append(Entry(main, model, info, shard, (1.0 / replicas) if info.counts_in_norm else 0.0, slot))
+    return entries, num_layers + 2
+
+
+def current_grads(optimizer: Any, entries: list[Entry]):
+    """(entry, the gradient the optimizer will apply now, or None) for each entry."""
+    decoupled = any(uses_decoupled_grad(leaf) for leaf in leaves(optimizer))
+    for e in entries:
+        yield e, (getattr(e.main, "decoupled_grad", None) if decoupled else e.main.grad)
+
+
+def local_nonfinite(chunks: list) -> torch.Tensor:
+    """1.0 when this rank's own gradients hold NaN/Inf before the data-parallel reduction:
+    one fused pass over DDP's contiguous gradient buffers (or the per-parameter grads)."""
+    tensors = []
+    for chunk in chunks:
+        buffers = list(getattr(chunk, "buffers", []) or []) + list(getattr(chunk, "expert_parallel_buffers", []) or [])
+        if buffers and all(hasattr(b, "grad_data") for b in buffers):
+            tensors += [b.grad_data for b in buffers]
+        else:
+            for p in chunk.parameters():
+                g = getattr(p, "main_grad", None)
+                g = g if g is not None else p.grad
+                if g is not None:
+                    tensors.append(g)
+    tensors = [t for t in tensors if t.numel() > 0]
+    if not tensors:
+        return torch.zeros((), device=collective_device())
+    return (~torch.isfinite(torch.stack(torch._foreach_norm(tensors)))).any().float()
