@@ -169,16 +169,10 @@ ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
 
 
 @pytest.fixture(scope="module")
-def megatron_lm_checkout() -> Path:
-    value = os.environ.get("MEGATRON_LM_DIR")
-    if not value:
-        pytest.skip("MEGATRON_LM_DIR not set: point it at a Megatron-LM checkout (core 0.12-0.16)")
-    path = Path(value)
-    if not (path / "pretrain_gpt.py").is_file():
-        pytest.skip(f"MEGATRON_LM_DIR={value} has no pretrain_gpt.py")
+def megatron_lm_checkout(megatron_lm_dir) -> Path:
     if shutil.which("git") is None:
         pytest.skip("git not on PATH: scripts/megatron_patch.py applies the patches with git apply")
-    return path
+    return megatron_lm_dir
 
 
 def patched_copy(checkout: Path, where: Path, only: str | None) -> Path:

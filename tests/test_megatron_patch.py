@@ -199,17 +199,6 @@ def test_patched_optimizer_calls_the_hooks_when_megatron_patches_is_installed(sd
 # --- with a Megatron-LM checkout (MEGATRON_LM_DIR); the checkout itself is never modified ---------
 
 
-@pytest.fixture
-def megatron_lm_dir() -> Path:
-    value = os.environ.get("MEGATRON_LM_DIR")
-    if not value:
-        pytest.skip("MEGATRON_LM_DIR not set: point it at a Megatron-LM checkout (core 0.12-0.16 or main)")
-    path = Path(value)
-    if not (path / "pretrain_gpt.py").is_file():
-        pytest.skip(f"MEGATRON_LM_DIR={value} has no pretrain_gpt.py")
-    return path
-
-
 @pytest.mark.megatron_lm
 @needs_git
 def test_checkout_round_trip_on_a_copy(megatron_lm_dir, tmp_path):
