@@ -125,13 +125,38 @@ def save_checkpoint(root: str, step: int, model: Any, optimizer: Any, scheduler:
     dist_checkpointing.save(state, tmp)
     _barrier()
     if _rank() == 0:
-        with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as handle:
-            json.dump({"step": step, "healthy": bool(healthy)}, handle)
+        write_marker(tmp, step, healthy)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _apply_retention(root, keep)
     _barrier()
     return final
+
+
+def write_marker(directory: str, step: int, healthy: bool, **extra: Any) -> None:
+    """``megatron_patches.json`` in a checkpoint directory (ours or Megatron-LM's ``iter_N``),
+    written atomically."""
+    path = os.path.join(directory, MARKER)
+    with open(path + ".tmp", "w", encoding="utf-8") as handle:
+        json.dump({"step": step, "healthy": bool(healthy), **extra}, handle)
+    os.replace(path + ".tmp", path)
+
+
+def params_finite(model: Any) -> bool:
+    """Every parameter finite on every rank (what a healthy checkpoint needs): one fused
+    max-abs pass (NaN and Inf survive it, large finite values do not overflow), one
+    all-reduce, one host read. Collective: call on every rank."""
+    from .collectives import collective_device
+
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    params = [p for chunk in chunks for p in chunk.parameters() if p.numel() > 0]
+    device = collective_device()
+    flag = torch.ones(1, device=device)
+    if params:
+        flag = torch.stack(torch._foreach_norm(params, float("inf"))).isfinite().all().float().reshape(1).to(device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item() == 1.0)
 
 
 def list_checkpoints(root: str) -> list[tuple[int, str, bool]]:

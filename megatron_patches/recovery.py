@@ -68,6 +68,17 @@ class Ledger:
         data.pop("schema")
         return cls(**data)
 
+    def record_rollback(self, recovery: Any, samples: list) -> list:
+        """One more rollback under ``recovery`` (the config section): blacklist ``samples``, lower
+        the learning-rate scale (never under the floor), switch off the configured features.
+        Returns the features switched off now for the first time."""
+        self.blacklist = sorted(set(self.blacklist) | set(samples))
+        self.rollbacks += 1
+        self.lr_scale = max(self.lr_scale * recovery.lr_factor, recovery.lr_floor)
+        new = [name for name in recovery.disable_features if name not in self.disabled_features]
+        self.disabled_features += new
+        return new
+
     def save(self, checkpoint_root: str) -> None:
         """Atomic: a crash leaves the previous ledger or the new one, never half of one."""
         os.makedirs(checkpoint_root, exist_ok=True)
@@ -155,13 +166,9 @@ class InProcessRecovery:
             self.monitor.exit(EXIT_CRITICAL)
         healthy_step, path = target
         resumed = self.loop.load_checkpoint(path)
-        self._add_blacklist(blacklisted)
-        self.ledger.rollbacks += 1
-        self.ledger.lr_scale = max(self.ledger.lr_scale * self.config.lr_factor, self.config.lr_floor)
-        for name in self.config.disable_features:
-            if name not in self.ledger.disabled_features:
-                self.loop.disable_feature(name)
-                self.ledger.disabled_features.append(name)
+        for name in self.ledger.record_rollback(self.config, blacklisted):
+            self.loop.disable_feature(name)
+        self.loop.set_blacklist(self.ledger.blacklist)
         self.loop.set_lr_scale(self.ledger.lr_scale)
         self.ledger.events.append({"step": step, "rolled_back_to": healthy_step, "lr_scale": self.ledger.lr_scale,
                                    "blacklisted": len(blacklisted), "reason": decision.reason})
@@ -212,11 +219,8 @@ class ExitAndRestart:
 
         if code != EXIT_ROLLBACK or self.monitor.rank != 0:
             return
-        if self.config.blacklist == "always":
-            self.ledger.blacklist = sorted(set(self.ledger.blacklist) | set(self._episode_samples))
-        self.ledger.rollbacks += 1
-        self.ledger.lr_scale = max(self.ledger.lr_scale * self.config.lr_factor, self.config.lr_floor)
-        self.ledger.disabled_features = sorted(set(self.ledger.disabled_features) | set(self.config.disable_features))
+        # The loop that reads the ledger at start-up switches the features off.
+        self.ledger.record_rollback(self.config, self._episode_samples if self.config.blacklist == "always" else [])
         self.ledger.rollback_requested = {"from_step": self.monitor.step}
         self.ledger.spent_injections = sorted(set(self.ledger.spent_injections) | set(self.monitor.injector.fired_specs()))
         self.ledger.events.append({"step": self.monitor.step, "exit": code, "lr_scale": self.ledger.lr_scale,

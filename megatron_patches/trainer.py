@@ -319,10 +319,9 @@ class TinyTrainer:
             tb.add_scalar(f"megatron_patches/layer_grad_norm/{layer}", norm, step)
 
     def _params_finite(self) -> bool:
-        mine = all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
-        finite = torch.tensor([1.0 if mine else 0.0], device=self._collective)
-        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
-        return bool(finite.item() == 1.0)
+        from .checkpoint import params_finite
+
+        return params_finite(self.model)
 
     def _print_progress(self, step: int, out: dict, skipped: int, seconds: float) -> None:
         norm = out["grad_norm"]

@@ -32,7 +32,6 @@ Recovery protocol for Megatron-LM (no in-process executor: the loop cannot be re
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import math
 import os
@@ -88,11 +87,7 @@ def skip_iterations(ledger: Any) -> list:
 
 def write_marker(directory: str, iteration: int, healthy: bool, incidents: int) -> None:
     """``megatron_patches.json`` in a Megatron-LM ``iter_N`` directory (atomic)."""
-    path = os.path.join(directory, checkpoint.MARKER)
-    with open(path + ".tmp", "w", encoding="utf-8") as handle:
-        json.dump({"step": iteration, "healthy": bool(healthy), "format": "megatron-lm",
-                   "incidents": incidents}, handle)
-    os.replace(path + ".tmp", path)
+    checkpoint.write_marker(directory, iteration, healthy, format="megatron-lm", incidents=incidents)
 
 
 def _core_version() -> tuple:
@@ -277,7 +272,7 @@ class MegatronLMSession:
         if args.save is None or non_persistent:
             return
         incidents = self.monitor.counters["incidents"]
-        healthy = incidents == self._incidents_at_save and _params_finite(model)
+        healthy = incidents == self._incidents_at_save and checkpoint.params_finite(model)
         self._incidents_at_save = incidents
         directory = checkpoint.checkpoint_dir(args.save, int(iteration))
         if _rank() == 0 and os.path.isdir(directory):
@@ -319,21 +314,6 @@ def _sample_positions(args: Any) -> list:
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mbs, start = int(args.micro_batch_size), int(args.consumed_train_samples)
     return [start + m * mbs * dp + dp_rank * mbs + j for m in range(get_num_microbatches()) for j in range(mbs)]
-
-
-def _params_finite(model: Any) -> bool:
-    """Every parameter finite on every rank: one fused pass, one all-reduce, one host read."""
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    params = [p for chunk in chunks for p in chunk.parameters() if p.numel() > 0]
-    device = params[0].device if params else torch.device("cpu")
-    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
-        device = torch.device("cpu")
-    flag = torch.ones(1, device=device)
-    if params:
-        flag = torch.stack(torch._foreach_norm(params)).isfinite().all().float().reshape(1).to(device)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-    return bool(flag.item() == 1.0)
 
 
 _session: Optional[MegatronLMSession] = None
