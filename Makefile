@@ -1,10 +1,15 @@
 # megatron_patches: `make demo` and `make test` are all a fresh machine needs.
+# One environment per Python line: the defaults give Python 3 (3.11 here) with megatron-core 0.16.1;
+# `make test PYTHON=python3.12 VENV=.venv312` gives 3.12 with megatron-core 0.19.x.
 PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
-# The CPU build of torch that lies on these machines' disk; installed only when the
-# environment has no torch at all (an existing torch, CUDA or NPU, is never replaced).
+# torch is installed only when the environment has none (an existing torch, CUDA or NPU, is never
+# replaced). On Python 3.11 the CPU build on these machines' disk; elsewhere the registry's build.
 TORCH_CPU ?= torch==2.13.0
+TORCH_OTHER ?= torch
+# A megatron-core release to pin instead of the newest this Python can install, e.g. 0.18.2.
+MEGATRON_CORE ?=
 NPROC ?= 4
 MEGATRON ?=
 PYTEST_ARGS ?=
@@ -12,9 +17,11 @@ PYTEST_ARGS ?=
 .PHONY: install test test-all demo bench patch unpatch patch-status clean
 
 $(VENV)/.installed: setup.py
+	@$(PYTHON) -m megatron_patches.versions $(MEGATRON_CORE) >/dev/null
 	$(PYTHON) -m venv --system-site-packages $(VENV)
-	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install --quiet "$(TORCH_CPU)"
-	$(VPY) -m pip install --quiet -e ".[test]"
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install --quiet \
+		"$$($(VPY) -c 'import sys; print("$(TORCH_CPU)" if sys.version_info[:2] == (3, 11) else "$(TORCH_OTHER)")')"
+	$(VPY) -m pip install --quiet -e ".[test]" "$$($(VPY) -m megatron_patches.versions $(MEGATRON_CORE))"
 	@touch $@
 
 install: $(VENV)/.installed

@@ -8,6 +8,11 @@ unrelated project and the real one is built from source.
 
 from setuptools import find_packages, setup
 
+# What Megatron-LM's training code (a checkout's pretrain_gpt.py, or the megatron/training that
+# megatron-core 0.17+ ships) imports beyond megatron-core's own requirements on a CPU-only runner,
+# found by running it: triton is imported even when no kernel of it runs.
+MEGATRON_LM_IMPORTS = ["six", "regex", "pydantic", "triton"]
+
 setup(
     name="megatron_patches",
     version="0.1.0",
@@ -17,8 +22,9 @@ setup(
     packages=find_packages(include=["megatron_patches", "megatron_patches.*"]),
     python_requires=">=3.10",
     install_requires=[
-        # The patch registry declares the same range per target; 0.16.1 is the release tested here.
-        "megatron-core>=0.12,<0.17",
+        # The registry's supported range: 0.12.x to 0.19.x and main (0.20). pip picks the newest
+        # release the running Python can install: 0.16.1 on 3.10/3.11, 0.19.x on 3.12+.
+        "megatron-core>=0.12,<0.21",
         "torch>=2.3",
         "pyyaml>=6",
         "wrapt>=1.14",
@@ -27,8 +33,9 @@ setup(
     ],
     extras_require={
         "npu": ["torch_npu"],
-        # The report plot and TensorBoard paths are tested in CI too.
-        "test": ["pytest>=7", "matplotlib", "tensorboard"],
+        "megatron-lm": MEGATRON_LM_IMPORTS,
+        # The report plot, TensorBoard, W&B (offline) and Megatron-LM loop paths are tested in CI too.
+        "test": ["pytest>=7", "matplotlib", "tensorboard", "wandb", *MEGATRON_LM_IMPORTS],
         "plot": ["matplotlib"],
         "tensorboard": ["tensorboard"],
     },

@@ -17,7 +17,7 @@ import tempfile
 import warnings
 from typing import Any, Optional
 
-from . import __version__
+from . import __version__, versions
 from .errors import UserError
 
 PROG = "megatron-patches"
@@ -84,7 +84,8 @@ def _check_megatron(checks: _Checks) -> None:
         checks.line("FAIL", "megatron-core", f"cannot be inspected: {_exc(exc)}")
         return
     if version is None:
-        checks.line("FAIL", "megatron-core", "not installed: pip install 'megatron-core>=0.12,<0.17'")
+        checks.line("FAIL", "megatron-core", "not installed: pip install "
+                    f"'{versions.requirement()}'")
         return
     try:
         from .patching.registry import MEGATRON_CORE_SUPPORTED
@@ -105,7 +106,8 @@ def _check_megatron(checks: _Checks) -> None:
         checks.line("ok", "megatron-core", f"{version} (supported: {MEGATRON_CORE_SUPPORTED}) at {location}")
     else:
         checks.line("FAIL", "megatron-core", f"{version} is outside the supported range {MEGATRON_CORE_SUPPORTED}; "
-                    f"install one inside it, e.g. pip install 'megatron-core==0.16.1'")
+                    f"install one inside it ({versions.supported_lines()}), e.g. "
+                    f"pip install '{versions.requirement()}'")
 
 
 def _check_npu(checks: _Checks) -> Any:

@@ -70,7 +70,7 @@ def test_patch_on_top_of_ours_is_left_alone_and_named(clean_patches, caplog):
         opt.FP32Optimizer.prepare_grads = ours.__wrapped__
 
 
-@pytest.mark.parametrize("version", ["0.11.0", "0.17.0"])
+@pytest.mark.parametrize("version", ["0.8.0", "0.11.0", "0.21.0"])
 def test_unsupported_megatron_core_is_refused(clean_patches, version):
     with pytest.raises(UnsupportedVersionError, match=f"megatron-core {version} is not supported"):
         patching.install(version=version)

@@ -16,6 +16,7 @@ from typing import Any, Iterator, Optional
 
 import wrapt
 
+from .. import versions
 from ..errors import UnsupportedVersionError
 from .registry import MEGATRON_CORE_SUPPORTED, TARGETS, TRAINING_TARGETS, PatchTarget
 
@@ -50,8 +51,9 @@ def check_version(spec: str = MEGATRON_CORE_SUPPORTED, version: Optional[str] = 
     version = version or megatron_core_version()
     if Version(version) not in SpecifierSet(spec):
         raise UnsupportedVersionError(
-            f"megatron-core {version} is not supported by megatron_patches (supported: {spec}); "
-            f"install a supported release, e.g. pip install 'megatron-core==0.16.1'"
+            f"megatron-core {version} is not supported by megatron_patches (supported: {spec}, "
+            f"that is {versions.supported_lines()}); install a supported release, e.g. "
+            f"pip install '{versions.requirement()}'"
         )
     return version
 

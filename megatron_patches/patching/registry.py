@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .. import hooks
+from .. import hooks, versions
 from ..integrations import megatron_lm
 
-MEGATRON_CORE_SUPPORTED = ">=0.12,<0.17"
-"""megatron-core releases the runtime patches support; 0.16.1 is what CI trains with."""
+MEGATRON_CORE_SUPPORTED = versions.SUPPORTED
+"""megatron-core releases the runtime patches support (:mod:`megatron_patches.versions`)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,76 @@
+"""Which megatron-core releases megatron_patches supports, and which Python each one needs.
+
+Standard library only: ``make install`` reads it (``python -m megatron_patches.versions``) before
+anything else is installed, to refuse in one line a release the chosen Python cannot install.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+SUPPORTED = ">=0.12,<0.21"
+"""megatron-core 0.12.x to 0.19.x and Megatron-LM main (0.20.x). CI trains with 0.16.1 (the newest
+release for Python 3.11) and 0.19.x (Python 3.12)."""
+
+LINES = (
+    # (first minor, last minor, minimum Python, what CI trains with)
+    ((0, 12), (0, 16), (3, 10), "0.16.1"),
+    ((0, 17), (0, 20), (3, 12), "0.19.x"),
+)
+"""The supported lines and the Python their wheels require (0.17+ wheels need 3.12)."""
+
+
+def _minor(version: str) -> tuple[int, int]:
+    match = re.match(r"\s*(\d+)\.(\d+)", version)
+    if match is None:
+        raise ValueError(f"not a megatron-core version: {version!r} (expected e.g. 0.19.2)")
+    return int(match.group(1)), int(match.group(2))
+
+
+def supported_lines() -> str:
+    """``0.12-0.16 (Python >= 3.10), 0.17-0.20/main (Python >= 3.12)``: for error messages."""
+    return ", ".join(
+        f"{lo[0]}.{lo[1]}-{hi[0]}.{hi[1]}{'/main' if hi >= (0, 20) else ''} "
+        f"(Python >= {py[0]}.{py[1]})" for lo, hi, py, _ in LINES)
+
+
+def python_needed(version: str) -> tuple[int, int] | None:
+    """The minimum Python for a megatron-core version; None when the version is not supported."""
+    minor = _minor(version)
+    for lo, hi, python, _ in LINES:
+        if lo <= minor <= hi:
+            return python
+    return None
+
+
+def problem(version: str, python: tuple[int, int] | None = None) -> str | None:
+    """Why ``version`` cannot be used with ``python`` (this interpreter by default), or None."""
+    python = python or tuple(sys.version_info[:2])
+    needed = python_needed(version)
+    if needed is None:
+        return (f"megatron-core {version} is not supported by megatron_patches; "
+                f"supported: {supported_lines()}")
+    if tuple(python) < needed:
+        return (f"megatron-core {version} needs Python >= {needed[0]}.{needed[1]} and this is "
+                f"Python {python[0]}.{python[1]}: make install PYTHON=python{needed[0]}.{needed[1]} "
+                f"VENV=.venv{needed[0]}{needed[1]} MEGATRON_CORE={version}")
+    return None
+
+
+def requirement(version: str = "") -> str:
+    """The pip requirement for megatron-core: the pinned ``version``, or the supported range."""
+    return f"megatron-core=={version}" if version else f"megatron-core{SUPPORTED}"
+
+
+if __name__ == "__main__":
+    # python -m megatron_patches.versions [VERSION]: print the pip requirement, or exit 2 saying why not.
+    wanted = sys.argv[1] if len(sys.argv) > 1 else ""
+    try:
+        reason = problem(wanted) if wanted else None
+    except ValueError as exc:
+        reason = str(exc)
+    if reason:
+        print(reason, file=sys.stderr)
+        raise SystemExit(2)
+    print(requirement(wanted))
