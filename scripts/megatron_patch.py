@@ -31,13 +31,18 @@ from pathlib import Path
 PATCHES_DIR = Path(__file__).resolve().parent.parent / "patches"
 
 # (major, minor) of megatron/core/package_info.py -> directory under patches/.
-# Megatron-LM main reports the next minor (0.20 at the snapshot the "main" patches were made from).
+# The release tag's package_info.py can be ahead of the tag name (core_v0.19.0 says 0.19.1); only
+# (major, minor) is used. Megatron-LM main reports the next minor (0.20 at the snapshot the "main"
+# patches were made from).
 VERSION_LINES = {
     (0, 12): "core_v0.12",
     (0, 13): "core_v0.13",
     (0, 14): "core_v0.14",
     (0, 15): "core_v0.15",
     (0, 16): "core_v0.16",
+    (0, 17): "core_v0.17",
+    (0, 18): "core_v0.18",
+    (0, 19): "core_v0.19",
     (0, 20): "main",
 }
 

@@ -69,7 +69,7 @@ def megatron_lm_dir() -> Path:
     (CI never has one: Megatron-LM's training code is on no package registry)."""
     value = os.environ.get("MEGATRON_LM_DIR")
     if not value:
-        pytest.skip("MEGATRON_LM_DIR not set: point it at a Megatron-LM checkout (core 0.12-0.16 or main)")
+        pytest.skip("MEGATRON_LM_DIR not set: point it at a Megatron-LM checkout (core 0.12-0.19 or main)")
     path = Path(value)
     if not (path / "pretrain_gpt.py").is_file():
         pytest.skip(f"MEGATRON_LM_DIR={value} has no pretrain_gpt.py")

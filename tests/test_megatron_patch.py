@@ -126,6 +126,34 @@ def test_unsupported_version_is_refused_with_the_supported_list(sdist_tree):
     assert result.returncode == 2
     assert "megatron-core 0.11.1 is not a supported version line" in result.stderr
     assert "0.16 (core_v0.16)" in result.stderr
+    assert "0.19 (core_v0.19)" in result.stderr
+
+
+def load_patch_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("megatron_patch_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks the module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("minor", range(12, 21))
+def test_every_supported_minor_has_a_complete_patch_directory(minor):
+    script = load_patch_script()
+    line = script.VERSION_LINES.get((0, minor))
+    assert line is not None, f"0.{minor} has no entry in VERSION_LINES"
+    directory = script.PATCHES_DIR / line
+    assert directory.is_dir(), f"0.{minor} -> {directory} does not exist"
+    for name, _target in script.PARTS.values():
+        assert (directory / name).is_file(), f"{directory} lacks {name}"
+    assert script.pick_line((0, minor, 0, ""), None) == directory
+
+
+def test_patch_files_carry_no_upstream_copyright_header():
+    for patch in sorted((REPO / "patches").glob("*/*.patch")):
+        assert "Copyright" not in patch.read_text(), patch
 
 
 @needs_git
