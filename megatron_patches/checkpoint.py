@@ -136,10 +136,18 @@ def save_checkpoint(root: str, step: int, model: Any, optimizer: Any, scheduler:
 def write_marker(directory: str, step: int, healthy: bool, **extra: Any) -> None:
     """``megatron_patches.json`` in a checkpoint directory (ours or Megatron-LM's ``iter_N``),
     written atomically."""
-    path = os.path.join(directory, MARKER)
-    with open(path + ".tmp", "w", encoding="utf-8") as handle:
-        json.dump({"step": step, "healthy": bool(healthy), **extra}, handle)
-    os.replace(path + ".tmp", path)
+    write_json_atomic(os.path.join(directory, MARKER), {"step": step, "healthy": bool(healthy), **extra})
+
+
+def write_json_atomic(path: str, value: Any) -> None:
+    """Write ``value`` as JSON so that ``path`` holds either the old or the whole new file:
+    a temporary file beside it, flushed to disk, then renamed over it."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(value, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
 
 
 def params_finite(model: Any) -> bool:

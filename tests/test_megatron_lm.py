@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,17 @@ def test_rollback_target_is_the_newest_healthy_complete_checkpoint(tmp_path):
     assert megatron_lm.newest_healthy_iteration(str(tmp_path)) == 8
 
 
+def test_a_checkpoint_remembers_the_lr_scale_it_was_saved_with(tmp_path):
+    # From 0.19 on the optimizer finds saved param groups by max_lr: a restart must know it.
+    directory = Path(checkpoint.checkpoint_dir(str(tmp_path), 4))
+    directory.mkdir(parents=True)
+    assert megatron_lm.saved_lr_scale(str(tmp_path), 4) == 1.0  # no marker: saved unscaled
+    megatron_lm.write_marker(str(directory), 4, True, incidents=0, lr_scale=0.25)
+    assert megatron_lm.saved_lr_scale(str(tmp_path), 4) == 0.25
+    (directory / checkpoint.MARKER).write_text('{"step": 4, "healthy": true, "lr_scale": "nan"}')
+    assert megatron_lm.saved_lr_scale(str(tmp_path), 4) == 1.0
+
+
 def test_iterations_to_skip_follow_each_release_numbering():
     # Up to core 0.16 Megatron-LM tests the 0-based index, from 0.17 on the logged number.
     assert megatron_lm.to_iterations_to_skip([3, 4], (0, 16)) == [2, 3]
@@ -162,7 +174,7 @@ def test_training_targets_are_skipped_where_megatron_training_is_absent(clean_pa
         assert any(f"{target.dotted} skipped: {target.module} is not importable" in r.message for r in caplog.records)
 
 
-# --- with a Megatron-LM checkout (MEGATRON_LM_DIR) -----------------------------------------------------
+# --- Megatron-LM's loop: the packaged one (megatron-core 0.17+, CI) or a checkout (MEGATRON_LM_DIR) ------
 
 TINY = [*TINY_GPT_ARGS, "--train-iters", "6"]
 ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
@@ -188,23 +200,61 @@ def patched_copy(checkout: Path, where: Path, only: str | None) -> Path:
     return copy
 
 
-def core_version(tree: Path) -> tuple[int, int]:
-    info = (tree / "megatron" / "core" / "package_info.py").read_text()
-    return tuple(int(re.search(rf"^{key} = (\d+)", info, re.M).group(1)) for key in ("MAJOR", "MINOR"))
+@dataclass
+class Loop:
+    """Where Megatron-LM's training loop comes from: a patched copy of a checkout, or (``tree`` None)
+    the ``megatron/training`` that the installed megatron-core package ships."""
+
+    tree: Path | None
+
+    @property
+    def version(self) -> tuple[int, int]:
+        if self.tree is None:
+            from megatron.core import package_info
+
+            return tuple(int(x) for x in package_info.__version__.split(".")[:2])
+        info = (self.tree / "megatron" / "core" / "package_info.py").read_text()
+        return tuple(int(re.search(rf"^{key} = (\d+)", info, re.M).group(1)) for key in ("MAJOR", "MINOR"))
+
+    def command(self, *extra: str) -> list[str]:
+        script = [] if self.tree is None else [str(self.tree / "pretrain_gpt.py")]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                "-m", "megatron_patches.testing.pretrain_cpu", *script, *TINY, *extra]
+
+    def checkpoint_format(self) -> list[str]:
+        """torch_dist saves of core <= 0.15 call np.product, gone in NumPy 2: the legacy format then."""
+        import numpy
+
+        if self.version < (0, 16) and int(numpy.__version__.split(".")[0]) >= 2:
+            return ["--ckpt-format", "torch"]
+        return []
 
 
-def checkpoint_format(tree: Path) -> list[str]:
-    """torch_dist saves of core <= 0.15 call np.product, gone in NumPy 2: the legacy format then."""
-    import numpy
+def _packaged_loop_available() -> bool:
+    import importlib.util
 
-    if core_version(tree) < (0, 16) and int(numpy.__version__.split(".")[0]) >= 2:
-        return ["--ckpt-format", "torch"]
-    return []
+    try:
+        return importlib.util.find_spec("megatron.training") is not None
+    except ImportError:
+        return False
 
 
-def pretrain_command(tree: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-            "-m", "megatron_patches.testing.pretrain_cpu", str(tree / "pretrain_gpt.py"), *TINY, *extra]
+@pytest.fixture(params=["package", pytest.param("checkout", marks=pytest.mark.megatron_lm)])
+def loop_kind(request) -> str:
+    if request.param == "package" and not _packaged_loop_available():
+        pytest.skip("the installed megatron-core ships no megatron/training (0.17+ does: "
+                    "make test PYTHON=python3.12 VENV=.venv312)")
+    if request.param == "checkout":
+        request.getfixturevalue("megatron_lm_checkout")
+    return request.param
+
+
+def make_loop(kind: str, request, where: Path, only: str | None) -> Loop:
+    """The packaged loop as is (runtime wrappers, ``import megatron_patches.apply`` in the runner),
+    or a checkout copy with the source patches named by ``only``."""
+    if kind == "package":
+        return Loop(None)
+    return Loop(patched_copy(request.getfixturevalue("megatron_lm_checkout"), where, only))
 
 
 def guard_env(tmp_path: Path, **config) -> dict:
@@ -224,13 +274,12 @@ def incidents(tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-@pytest.mark.megatron_lm
 @pytest.mark.multiproc
-def test_pretrain_gpt_names_the_parameter_at_megatrons_iteration(megatron_lm_checkout, tmp_path):
-    tree = patched_copy(megatron_lm_checkout, tmp_path, only=None)  # the full source patch
+def test_pretrain_gpt_names_the_parameter_at_megatrons_iteration(loop_kind, request, tmp_path):
+    loop = make_loop(loop_kind, request, tmp_path, only=None)  # a checkout: the full source patch
     tensorboard = tmp_path / "tb"
     env = guard_env(tmp_path, inject=[f"nan:step=3,param={FC1}"])
-    proc = subprocess.run(pretrain_command(tree, "--tensorboard-dir", str(tensorboard)),
+    proc = subprocess.run(loop.command("--tensorboard-dir", str(tensorboard)),
                           capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
@@ -250,7 +299,9 @@ def test_pretrain_gpt_names_the_parameter_at_megatrons_iteration(megatron_lm_che
         "iteration": 3, "consumed_train_samples": 8, "samples": [10, 11]}
     logged = iterations(output)
     assert sorted(logged) == [1, 2, 3, 4, 5, 6]
-    assert "number of skipped iterations:   1" in logged[3] and "lm loss" not in logged[3]
+    assert "number of skipped iterations:   1" in logged[3]
+    # A skipped iteration logs no loss; from 0.17 on the loop logs it as 0.
+    assert ("lm loss: 0.000000E+00" in logged[3]) if loop.version >= (0, 17) else ("lm loss" not in logged[3])
     losses = [float(re.search(r"lm loss: ([^ ]+)", logged[i]).group(1)) for i in (4, 5, 6)]
     assert all(loss == loss and loss < 100 for loss in losses), losses
 
@@ -265,14 +316,13 @@ def test_pretrain_gpt_names_the_parameter_at_megatrons_iteration(megatron_lm_che
     assert sorted(scalars["megatron_patches/total_grad_norm"]) == [1, 2, 4, 5, 6]  # none for the NaN step
 
 
-@pytest.mark.megatron_lm
 @pytest.mark.multiproc
-def test_persistent_fault_exits_84_and_the_launcher_resumes_from_the_healthy_checkpoint(megatron_lm_checkout, tmp_path):
-    tree = patched_copy(megatron_lm_checkout, tmp_path, only="pretrain")  # hooks from the runtime wrappers
+def test_persistent_fault_exits_84_and_the_launcher_resumes_from_the_healthy_checkpoint(loop_kind, request, tmp_path):
+    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")  # hooks from the runtime wrappers
     save = tmp_path / "ckpt"
     env = guard_env(tmp_path, inject=[f"nan:step=3,count=2,param={FC1}"])
-    command = pretrain_command(tree, "--save", str(save), "--load", str(save), "--save-interval", "2",
-                               *checkpoint_format(tree))
+    command = loop.command("--save", str(save), "--load", str(save), "--save-interval", "2",
+                           *loop.checkpoint_format())
     # One stream, so that the launcher's lines fall between the two attempts' output.
     proc = subprocess.run([sys.executable, str(LAUNCHER), "--max-restarts", "2", "--", *command],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=REPO, env=env)
@@ -299,3 +349,87 @@ def test_persistent_fault_exits_84_and_the_launcher_resumes_from_the_healthy_che
     assert ledger.events[0]["skip_iterations"] == [3, 4] and ledger.events[1]["resumed_from"] == 2
     marks = {step: ok for step, _, ok in checkpoint.list_checkpoints(str(save))}
     assert marks == {2: True, 6: True}  # the first run stopped before saving at 4
+
+
+@pytest.mark.multiproc
+def test_detector_baselines_survive_a_megatron_lm_restart(loop_kind, request, tmp_path):
+    """Each rank's history baselines are saved in iter_N and restored on --load: a finite x100
+    spike on the first iteration after the resume is judged against the pre-restart history
+    (without them it would fall in a fresh warm-up and pass unseen)."""
+    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
+    save = tmp_path / "ckpt"
+    history = {"detectors": {"history": {"warmup_steps": 8}}}
+    # A 14-iteration job stopped by Megatron's --exit-interval at 12 (it saves there), then resumed.
+    first = subprocess.run(loop.command("--save", str(save), "--save-interval", "12", *loop.checkpoint_format(),
+                                        "--train-iters", "14", "--exit-interval", "12"),
+                           capture_output=True, text=True, timeout=600, cwd=REPO, env=guard_env(tmp_path, **history))
+    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
+    assert sorted(p.name for p in (save / "iter_0000012" / megatron_lm.STATE_DIR).iterdir()) == [
+        "rank_00000.json", "rank_00001.json"]
+    assert incidents(tmp_path) == []
+
+    env = guard_env(tmp_path, **history, inject=[f"spike:step=13,param={FC1},factor=100"])
+    resumed = subprocess.run(loop.command("--save", str(save), "--load", str(save), "--save-interval", "100",
+                                          *loop.checkpoint_format(), "--train-iters", "14"),
+                             capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-4000:]
+    assert "guard state of iteration 12 restored" in output
+    [incident] = incidents(tmp_path)
+    assert incident["step"] == 13 and incident["kind"] == "zscore", incident
+    assert incident["first"]["name"] == FC1
+
+
+@pytest.mark.multiproc
+def test_wandb_offline_run_holds_the_guards_series(loop_kind, request, tmp_path):
+    """Megatron's W&B writer (offline mode, nothing leaves the machine) gets the guard's series."""
+    pytest.importorskip("wandb")
+    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
+    env = {**guard_env(tmp_path, inject=[f"nan:step=3,param={FC1}"]), "WANDB_MODE": "offline",
+           "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path)}
+    proc = subprocess.run(loop.command("--wandb-project", "guard-ci", "--wandb-exp-name", "tiny",
+                                       "--wandb-save-dir", str(tmp_path / "wandb")),
+                          capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    [run_file] = (tmp_path / "wandb").glob("wandb/offline-run-*/run-*.wandb")
+    series: dict[str, dict[int, float]] = {}
+    for row in wandb_history(run_file):
+        for key, value in row.items():
+            if key.startswith("megatron_patches/"):
+                series.setdefault(key, {})[row["_step"]] = value
+    assert series["megatron_patches/incidents"] == {1: 0, 2: 0, 3: 1, 4: 1, 5: 1, 6: 1}
+    assert series["megatron_patches/skipped_steps"][3] == 1
+    assert sorted(series["megatron_patches/total_grad_norm"]) == [1, 2, 4, 5, 6]  # none for the NaN step
+
+
+def wandb_history(run_file: Path) -> list[dict]:
+    """The ``history`` rows of an offline W&B run file, read directly: the file is a LevelDB-style
+    log (a 7-byte W&B header, then 32 KiB blocks of records, each with a 7-byte header: checksum,
+    length, type FULL/FIRST/MIDDLE/LAST) of serialized ``wandb_internal_pb2.Record`` messages."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, header = run_file.read_bytes(), 32768, 7
+    assert data[:4] == b":W&B", run_file
+    records, pending, offset = [], b"", header
+    while offset + header <= len(data):
+        if block - offset % block < header:  # too little room left in this block: padding
+            offset += block - offset % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[offset:offset + header])
+        payload = data[offset + header:offset + header + length]
+        offset += header + length
+        if kind == 0:
+            continue
+        pending = payload if kind in (1, 2) else pending + payload
+        if kind in (1, 4):
+            records.append(pending)
+    rows = []
+    for raw in records:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item})
+    return rows

@@ -32,6 +32,7 @@ Recovery protocol for Megatron-LM (no in-process executor: the loop cannot be re
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import math
 import os
@@ -48,6 +49,10 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 """Megatron-LM's record of the newest complete checkpoint in ``--save``."""
 
 TAG_PREFIX = "megatron_patches/"
+
+STATE_DIR = "megatron_patches_state"
+"""Per-rank guard state saved inside each Megatron-LM ``iter_N`` directory: each rank's history
+baselines describe its own tensors, so every rank keeps its own file."""
 
 
 # --- pure helpers (no Megatron needed) ---------------------------------------------------------
@@ -85,9 +90,27 @@ def skip_iterations(ledger: Any) -> list:
     return sorted({int(i) for event in ledger.events for i in event.get("skip_iterations", [])})
 
 
-def write_marker(directory: str, iteration: int, healthy: bool, incidents: int) -> None:
-    """``megatron_patches.json`` in a Megatron-LM ``iter_N`` directory (atomic)."""
-    checkpoint.write_marker(directory, iteration, healthy, format="megatron-lm", incidents=incidents)
+def state_file(directory: str, rank: int) -> str:
+    """Where one rank's guard state (detector baselines, counters) lies in an ``iter_N`` directory."""
+    return os.path.join(directory, STATE_DIR, f"rank_{rank:05d}.json")
+
+
+def write_marker(directory: str, iteration: int, healthy: bool, incidents: int, lr_scale: float = 1.0) -> None:
+    """``megatron_patches.json`` in a Megatron-LM ``iter_N`` directory (atomic). ``lr_scale``: the
+    ledger's learning-rate scale the checkpoint's param groups were saved with."""
+    checkpoint.write_marker(directory, iteration, healthy, format="megatron-lm", incidents=incidents,
+                            lr_scale=lr_scale)
+
+
+def saved_lr_scale(root: str, iteration: int) -> float:
+    """The learning-rate scale a checkpoint was saved with (1.0: unknown, or saved unscaled)."""
+    try:
+        with open(os.path.join(checkpoint.checkpoint_dir(root, iteration), checkpoint.MARKER),
+                  encoding="utf-8") as handle:
+            value = json.load(handle).get("lr_scale", 1.0)
+    except (OSError, ValueError, AttributeError):
+        return 1.0
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) and value > 0 else 1.0
 
 
 def _core_version() -> tuple:
@@ -154,6 +177,22 @@ class MegatronLMSession:
             self._scale_lr(args, optimizer, ledger.lr_scale)
         if ledger.rollback_requested:
             self._load_newest_healthy(args, ledger.rollback_requested)
+        self._match_saved_groups(args, optimizer)
+
+    def _match_saved_groups(self, args: Any, optimizer: Any) -> None:
+        """Give each param group the max_lr/min_lr the checkpoint about to be loaded was saved
+        with: from 0.19 on, the optimizer finds each saved group by those values, among others.
+        The ledger's scale goes onto the groups after the load (first train_step)."""
+        if not args.load:
+            return
+        iteration = args.ckpt_step if getattr(args, "ckpt_step", None) is not None else read_tracker(args.load)
+        scale = saved_lr_scale(args.load, iteration) if iteration else 1.0
+        if scale == 1.0:
+            return
+        for group in optimizer.param_groups:
+            for key in ("max_lr", "min_lr"):
+                if group.get(key) is not None:
+                    group[key] *= scale
 
     def _advise(self, args: Any) -> None:
         if getattr(args, "check_for_nan_in_loss_and_grad", False):
@@ -172,11 +211,11 @@ class MegatronLMSession:
                    "scheduler: the ledger's lr scale %.3g must win over the checkpoint", scale)
             args.use_checkpoint_opt_param_scheduler = False
         args.override_opt_param_scheduler = True
+        # The groups themselves are changed only after the checkpoint load (first train_step):
+        # from 0.19 on, the optimizer finds each saved group by its max_lr/min_lr, among others.
         for group in optimizer.param_groups:
-            for key in ("max_lr", "min_lr"):
-                if group.get(key) is not None:
-                    group[key] *= scale
-            self._lr_bounds[_group_key(group)] = (group.get("max_lr"), group.get("min_lr"))
+            self._lr_bounds[_group_key(group)] = tuple(
+                None if group.get(key) is None else group[key] * scale for key in ("max_lr", "min_lr"))
         _warn0("ledger %s: learning rate scaled by %.3g (lr %.4g, min_lr %.4g; "
                "override_opt_param_scheduler on)", self.root, scale, args.lr, args.min_lr)
 
@@ -212,6 +251,7 @@ class MegatronLMSession:
         self._checked_before = self.monitor.counters["checked_steps"]
 
     def _after_load(self, args: Any, optimizer: Any, scheduler: Any) -> None:
+        self._load_state(args.load, int(args.iteration))
         self._incidents_at_save = self.monitor.counters["incidents"]
         if self._lr_bounds:
             # The optimizer's load_state_dict brings back each group's max_lr/min_lr as saved.
@@ -224,8 +264,7 @@ class MegatronLMSession:
             if scheduler is not None:
                 scheduler.step(increment=0)  # recompute every group's lr from the bounds
             if restored:
-                _warn0("the checkpoint restored unscaled max_lr/min_lr in %d param group(s); "
-                       "set back to the scaled values", restored)
+                _warn0("max_lr/min_lr of %d param group(s) scaled by the ledger's lr scale", restored)
         if self._resume_from is not None and self.restart is not None:
             ledger = self.restart.ledger
             if int(args.iteration) != self._resume_from:
@@ -275,9 +314,39 @@ class MegatronLMSession:
         healthy = incidents == self._incidents_at_save and checkpoint.params_finite(model)
         self._incidents_at_save = incidents
         directory = checkpoint.checkpoint_dir(args.save, int(iteration))
+        self._save_state(directory)
         if _rank() == 0 and os.path.isdir(directory):
-            write_marker(directory, int(iteration), healthy, incidents)
+            lr_scale = self.restart.ledger.lr_scale if self.restart is not None else 1.0
+            write_marker(directory, int(iteration), healthy, incidents, lr_scale)
             log.info("checkpoint iteration %d marked %s", iteration, "healthy" if healthy else "NOT healthy")
+
+    def _save_state(self, directory: str) -> None:
+        """This rank's detector baselines and counters beside the checkpoint it belongs to."""
+        if not os.path.isdir(directory):
+            return
+        path = state_file(directory, _rank())
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        checkpoint.write_json_atomic(path, self.monitor.state_dict())
+
+    def _load_state(self, root: Optional[str], iteration: int) -> None:
+        """Detector baselines and counters as saved with the checkpoint Megatron just loaded, so
+        the first iteration after a restart is judged like any other."""
+        if root is None or iteration <= 0:
+            return
+        path = state_file(checkpoint.checkpoint_dir(root, iteration), _rank())
+        try:
+            with open(path, encoding="utf-8") as handle:
+                state = json.load(handle)
+        except FileNotFoundError:
+            _warn0("no guard state in %s (saved without megatron_patches, or by another world size): "
+                   "the history detectors start a new baseline", os.path.dirname(path))
+            return
+        except (OSError, ValueError) as exc:
+            log.warning("guard state %s unreadable (%s): the history detectors start a new baseline", path, exc)
+            return
+        self.monitor.load_state_dict(state)
+        _warn0("guard state of iteration %d restored (detector baselines, counters) from %s",
+               iteration, os.path.dirname(path))
 
     def _on_decision(self, decision: Any, record: dict) -> None:
         if decision.action != "continue":

@@ -1,11 +1,18 @@
-"""Run a Megatron-LM training script (``pretrain_gpt.py``) on a CPU-only torch.
+"""Run Megatron-LM's training loop on a CPU-only torch: a checkout's ``pretrain_gpt.py``, or the
+loop the megatron-core package ships (0.17+).
 
     torchrun --nproc-per-node 2 -m megatron_patches.testing.pretrain_cpu \\
         PATH/TO/Megatron-LM/pretrain_gpt.py --distributed-backend gloo ... (the script's own args)
+    torchrun --nproc-per-node 2 -m megatron_patches.testing.pretrain_cpu \\
+        --distributed-backend gloo ...                      (Megatron arguments only)
 
-The script's directory goes first on ``sys.path``, so ``megatron`` (core and training) is the
+With a script, its directory goes first on ``sys.path``, so ``megatron`` (core and training) is the
 checkout's, source patches included. Then :mod:`megatron_patches.testing.megatron_lm_cpu` installs
 the CPU redirects and the script runs as ``__main__`` with ``sys.argv`` set to its own arguments.
+
+Without a script (the first argument is a flag), the installed package's
+``megatron.training.pretrain`` trains the GPT of :mod:`megatron_patches.testing.gpt_loop`, guarded
+through ``import megatron_patches.apply`` as a user's script would be.
 
 Besides torch and megatron-core's own needs, Megatron-LM's training package imports six, regex,
 pydantic, psutil and, for some paths, triton. The command line must turn CUDA-only fusions off
@@ -35,16 +42,21 @@ TINY_GPT_ARGS = (
 """A tiny GPT that trains on 2 CPU ranks with gloo (add ``--train-iters N``): the regression
 configuration the tests use, and a starting point for CPU-only CI runners."""
 
-USAGE = "usage: python -m megatron_patches.testing.pretrain_cpu PATH/pretrain_gpt.py [ARGS...]"
+USAGE = ("usage: python -m megatron_patches.testing.pretrain_cpu [PATH/pretrain_gpt.py] [MEGATRON ARGS...]\n"
+         "  without a script, megatron-core's packaged loop (0.17+) trains megatron_patches' tiny GPT")
+
+# Import names whose distribution is called otherwise on the package registry.
+_DISTRIBUTIONS = {"yaml": "pyyaml", "google.protobuf": "protobuf"}
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") and len(argv) == 1:
-        raise SystemExit(USAGE)
-    script = Path(argv[0]).resolve()
-    if not script.is_file():
-        raise SystemExit(f"training script not found: {argv[0]}\n{USAGE}")
+def _missing_module(exc: ModuleNotFoundError) -> str:
+    name = exc.name or str(exc)
+    distribution = _DISTRIBUTIONS.get(name, name.split(".")[0])
+    return (f"Megatron-LM's training code needs the module {name!r}, which is not installed: "
+            f"pip install {distribution}  (or: pip install 'megatron_patches[megatron-lm]')")
+
+
+def _run_script(script: Path, args: list[str]) -> None:
     if "megatron" in sys.modules:
         raise SystemExit(
             f"megatron was imported before the runner set sys.path for {script.parent}; "
@@ -55,8 +67,42 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_patches.testing import megatron_lm_cpu
 
     megatron_lm_cpu.install()
-    sys.argv = [str(script), *argv[1:]]
+    sys.argv = [str(script), *args]
     runpy.run_path(str(script), run_name="__main__")
+
+
+def _run_packaged(args: list[str]) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("megatron.training") is None:
+        from megatron.core import package_info
+
+        raise SystemExit(
+            f"megatron-core {package_info.__version__} ships no megatron/training (0.17 and later do); "
+            f"give a Megatron-LM checkout's pretrain_gpt.py first\n{USAGE}")
+    from megatron_patches.testing import gpt_loop, megatron_lm_cpu
+
+    megatron_lm_cpu.install()
+    import megatron_patches.apply  # noqa: F401  (the user's opt-in line)
+
+    sys.argv = [sys.argv[0], *args]
+    gpt_loop.run()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]) and len(argv) == 1:
+        raise SystemExit(USAGE)
+    try:
+        if argv and not argv[0].startswith("-"):
+            script = Path(argv[0]).resolve()
+            if not script.is_file():
+                raise SystemExit(f"training script not found: {argv[0]}\n{USAGE}")
+            _run_script(script, argv[1:])
+        else:
+            _run_packaged(argv)
+    except ModuleNotFoundError as exc:
+        raise SystemExit(_missing_module(exc)) from None
 
 
 if __name__ == "__main__":

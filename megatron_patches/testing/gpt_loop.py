@@ -1,0 +1,139 @@
+"""Megatron-LM's own training loop from the installed megatron-core package, with a tiny GPT.
+
+From megatron-core 0.17 on, the wheel ships ``megatron/training`` (``pretrain``, ``train_step``,
+checkpointing, argument parsing): everything of Megatron-LM's loop but ``pretrain_gpt.py``, whose
+providers tell it what to build and how to compute the loss. This module holds our own three
+providers, so the real loop runs in CI without a checkout:
+
+- :func:`model_provider`: a megatron-core ``GPTModel`` on the local (non-Transformer-Engine) layer
+  spec, configured from Megatron's own parsed arguments;
+- :func:`datasets_provider`: :class:`CountingDataset`, deterministic token sequences whose next
+  token is predictable (so the loss falls), built on every rank (no broadcast needed);
+- :func:`forward_step`: one micro-batch through the model, the loss as (sum, token count) the way
+  the schedules expect it, and Megatron's NaN/Inf loss check when
+  ``--check-for-nan-in-loss-and-grad`` is on (the default), as a stock script does it.
+
+:func:`run` calls ``megatron.training.pretrain`` with them, in whichever calling convention the
+installed release has (0.17: arguments parsed inside ``pretrain``; 0.18+: a config container built
+from the parsed arguments first). The guard comes in as users add it: ``import
+megatron_patches.apply`` before the loop starts.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+
+class CountingDataset(torch.utils.data.Dataset):
+    """Sample ``i`` is the sequence ``start, start + step, ...`` (mod the vocabulary) with ``start``
+    and ``step`` drawn from ``i`` alone: the same samples on every rank and after every restart."""
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int):
+        self.num_samples, self.seq_length = int(num_samples), int(seq_length)
+        self.vocab_size, self.seed = int(vocab_size), int(seed)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + int(index))
+        start = int(torch.randint(0, self.vocab_size, (1,), generator=generator))
+        step = int(torch.randint(1, 8, (1,), generator=generator))
+        sequence = (start + step * torch.arange(self.seq_length + 1)) % self.vocab_size
+        return {
+            "tokens": sequence[:-1].long(),
+            "labels": sequence[1:].long(),
+            "loss_mask": torch.ones(self.seq_length, dtype=torch.float32),
+            "position_ids": torch.arange(self.seq_length, dtype=torch.long),
+        }
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Any = None,
+                   config: Any = None, pg_collection: Any = None, **_: Any):
+    """A ``GPTModel`` for this pipeline stage, from Megatron's parsed arguments."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.training import get_args
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    args = get_args()
+    if config is None:
+        config = core_transformer_config_from_args(args)
+    kwargs = {"vp_stage": vp_stage} if "vp_stage" in inspect.signature(GPTModel).parameters else {}
+    if pg_collection is not None and "pg_collection" in inspect.signature(GPTModel).parameters:
+        kwargs["pg_collection"] = pg_collection
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        **kwargs,
+    )
+
+
+def datasets_provider(train_val_test_num_samples, vp_stage: Any = None):
+    """(train, validation, test) datasets of the sizes Megatron asks for."""
+    from megatron.training import get_args
+
+    args = get_args()
+    return tuple(
+        CountingDataset(max(int(n), 1), args.seq_length, args.padded_vocab_size, args.seed + split)
+        if n else None
+        for split, n in enumerate(train_val_test_num_samples)
+    )
+
+
+# Every rank builds its own (identical) dataset: nothing is broadcast across tensor-parallel ranks.
+datasets_provider.is_distributed = True
+
+
+def _loss(loss_mask: torch.Tensor, output: torch.Tensor):
+    """Masked token-loss sum, token count and the (sum, count) pair Megatron logs as ``lm loss``."""
+    from megatron.training import get_args
+
+    mask = loss_mask.view(-1).float()
+    total = torch.sum(output.view(-1).float() * mask)
+    tokens = mask.sum().to(torch.int)
+    if get_args().check_for_nan_in_loss_and_grad:
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        machine = get_rerun_state_machine()
+        for rejected, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            machine.validate_result(result=total, rejection_func=rejected,
+                                    message=f"{what} in the loss (megatron_patches.testing.gpt_loop)",
+                                    tolerance=0.0, fatal=True)
+    return total, tokens, {"lm loss": torch.stack([total.detach().clone(), mask.sum().detach()])}
+
+
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """One micro-batch: tokens in, per-token loss out, with the loss function to reduce it."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    loss_mask = batch["loss_mask"]
+    return output, lambda output_tensor: _loss(loss_mask, output_tensor)
+
+
+def run() -> None:
+    """``megatron.training.pretrain`` with the providers above; Megatron parses ``sys.argv``."""
+    from megatron.core.enums import ModelType
+    from megatron.training import training
+
+    pretrain = training.pretrain
+    parameters = inspect.signature(pretrain).parameters
+    common = {"train_valid_test_dataset_provider": datasets_provider, "model_type": ModelType.encoder_or_decoder,
+              "forward_step_func": forward_step, "model_provider": model_provider}
+    if "cfg_container" not in parameters:  # 0.17: pretrain parses the arguments itself
+        pretrain(**common, args_defaults={"tokenizer_type": "NullTokenizer"})
+        return
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+    pretrain(pretrain_cfg_container_from_args(args), **common)
