@@ -157,8 +157,11 @@ class TinyTrainer:
         from .checkpoint import rng_state
 
         self._step_inputs = (step, microbatches, rng_state())
+        self._checked_before_step = self.monitor.counters["checked_steps"] if self.monitor else 0
         out = self._forward_backward(step, microbatches)
         success, grad_norm, _ = self.optimizer.step()
+        if grad_norm is not None:
+            grad_norm = float(grad_norm)  # 0.19+ may hand back a one-element tensor
         if success:
             self.scheduler.step(increment=len(global_batch))
         return {"loss": out["loss"], "grad_norm": grad_norm, "skipped": not success, "samples": global_batch}
@@ -253,6 +256,7 @@ class TinyTrainer:
         a = self.args
         losses: dict[int, float] = {}
         self.loss_log: list = []
+        self.norm_gap = {"max_rel_diff": 0.0, "steps": 0}
         skipped = executed = 0
         started = time.time()
         incidents_at_last_save = 0
@@ -275,6 +279,7 @@ class TinyTrainer:
             out = self.train_step(step)
             executed += 1
             skipped += out["skipped"]
+            self._compare_norms(out)
             losses[step] = out["loss"]
             self.loss_log.append([step, out["loss"] if math.isfinite(out["loss"]) else None])
             if self.rank == 0:
@@ -294,6 +299,18 @@ class TinyTrainer:
             step += 1
         ordered = [losses[k] for k in sorted(losses)]
         return self._finish(ordered, skipped, executed, time.time() - started)
+
+    def _compare_norms(self, out: dict) -> None:
+        """Keep the largest relative gap between the guard's total gradient norm and the one
+        Megatron's optimizer reported for the same step (steps both of them measured)."""
+        ours, theirs = (self.monitor.last_total_norm if self.monitor else None), out["grad_norm"]
+        if self.monitor is None or ours is None or theirs is None or out["skipped"]:
+            return
+        if self.monitor.counters["checked_steps"] == self._checked_before_step:
+            return  # check_interval > 1: last_total_norm belongs to an earlier step
+        gap = abs(ours - theirs) / max(abs(theirs), 1e-30)
+        self.norm_gap = {"max_rel_diff": max(gap, self.norm_gap["max_rel_diff"]),
+                         "steps": self.norm_gap["steps"] + 1}
 
     def _open_tensorboard(self, directory: Optional[str]):
         if not directory:
@@ -344,6 +361,7 @@ class TinyTrainer:
             "params_finite": params_finite,
             "executed_steps": executed,
             "loss_log": self.loss_log,
+            "grad_norm_vs_megatron": self.norm_gap,
             "rollbacks": ledger.rollbacks if ledger else 0,
             "blacklisted_samples": list(ledger.blacklist) if ledger else [],
             "lr_scale": self.lr_scale,

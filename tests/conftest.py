@@ -53,6 +53,13 @@ def assert_trained(run: Run, min_drop: float = 0.5) -> dict:
     return result
 
 
+def assert_norm_is_megatrons(result: dict, steps: int) -> None:
+    """On every step both measured, the guard's total gradient norm is the one Megatron's optimizer
+    reported (relative difference <= 1e-5): same gradients, same parameters counted once."""
+    gap = result["grad_norm_vs_megatron"]
+    assert gap["steps"] == steps and gap["max_rel_diff"] <= 1e-5, gap
+
+
 @pytest.fixture
 def clean_patches():
     """Leave no patches or monitor behind for the next test in this process."""

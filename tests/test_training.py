@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import assert_trained, run_tiny
+from conftest import assert_norm_is_megatrons, assert_trained, run_tiny
 
 
 def test_single_rank_fp32_trains(tmp_path):
@@ -10,6 +10,7 @@ def test_single_rank_fp32_trains(tmp_path):
     assert (result["world_size"], result["tp"], result["pp"], result["dp"]) == (1, 1, 1, 1)
     assert result["steps_completed"] == 30
     assert result["skipped_steps"] == 0 and result["incidents"] == 0
+    assert_norm_is_megatrons(result, steps=30)
 
 
 @pytest.mark.multiproc
@@ -29,11 +30,13 @@ def test_parallel_layouts_train(tmp_path, nproc, args, layout):
     assert (result["tp"], result["pp"], result["dp"]) == layout
     assert result["world_size"] == nproc
     assert result["incidents"] == 0
+    assert_norm_is_megatrons(result, steps=25 - result["skipped_steps"])  # fp16: loss-scale skips
 
 
 def test_bf16_single_rank_trains(tmp_path):
     result = assert_trained(run_tiny(tmp_path, "--steps", "25", "--precision", "bf16"))
     assert result["precision"] == "bf16" and result["incidents"] == 0
+    assert_norm_is_megatrons(result, steps=25)
 
 
 @pytest.mark.parametrize(
