@@ -60,7 +60,12 @@ def _checked_prepare(optimizer: Any, call: Callable[[], bool]) -> bool:
         found_inf = bool(call())
     finally:
         _inside_check.reset(token)
-    return _monitor.after_prepare_grads(optimizer, found_inf)
+    skip = _monitor.after_prepare_grads(optimizer, found_inf)
+    if skip:  # step() returns now: undo what prepare_grads began (MindSpeed --reuse-fp32-param)
+        from .integrations.mindspeed import undo_prepare_on_skip
+
+        undo_prepare_on_skip(optimizer)
+    return skip
 
 
 def prepare_grads_wrapper(wrapped, instance, args, kwargs) -> bool:
