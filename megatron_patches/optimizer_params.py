@@ -8,6 +8,7 @@ optimizer steps with the model parameter it belongs to and that parameter's glob
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,10 +69,16 @@ def build_entries(optimizer: Any, model_chunks: list) -> tuple[list[Entry], int]
     expert_dp = ps.get_expert_data_parallel_world_size() if ps and hasattr(ps, "get_expert_data_parallel_world_size") else 1
     entries = []
     for leaf in leaves(optimizer):
+        # Distributed-optimizer shards are held once per optimizer instance (usually one).
+        instances = int(getattr(getattr(leaf, "ddp_config", None), "num_distributed_optimizer_instances", 1) or 1)
         for index, (main, model, shard) in enumerate(param_pairs(leaf)):
             info = infos.get(id(model)) or locate.ParamInfo(
                 name=f"unnamed[{index}] {tuple(model.shape)}", layer=None, order=index, counts_in_norm=True)
-            replicas = 1 if shard else (dense_dp if getattr(model, "allreduce", True) else expert_dp)
+            if getattr(model, "grad_norm_group", None) is not None:
+                # 0.19+: clipped with a norm of its own (MTP), left out of the main norm Megatron
+                # reports; still checked for NaN/Inf and by the detectors.
+                info = dataclasses.replace(info, counts_in_norm=False)
+            replicas = instances if shard else (dense_dp if getattr(model, "allreduce", True) else expert_dp)
             if info.layer is not None and info.layer < num_layers:
                 slot = info.layer
             else:

@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """Measure which features work with which megatron-core release: one venv per release.
 
-    python scripts/version_matrix.py                      # 0.12.3 0.13.1 0.14.0 0.15.3 0.16.1
+    python scripts/version_matrix.py                      # Python 3.11: 0.12.3 ... 0.16.1
+    .venv312/bin/python scripts/version_matrix.py         # Python 3.12: 0.17.1 0.18.2 0.19.2
     python scripts/version_matrix.py --versions 0.16.1,0.13.1 --json matrix.json
+
+A release the running Python cannot install (0.17+ need 3.12) is reported as SETUP with the reason.
 
 For each release a venv under ``--cache`` (default ``~/.cache/megatron_patches/version_matrix``)
 is made with ``--system-site-packages``; when this script runs inside a venv, that venv's
@@ -19,6 +22,8 @@ Features and the tests that measure them (real tiny-GPT trainings on CPU, see te
 - detection: a NaN in fp32 training caught before clipping and the step skipped
 - names: TP=2, the NaN named on tensor-parallel rank 1 with its layer and shape
 - rollback: a persistent fault rolls back in-process to a dist_checkpointing checkpoint
+- loop_drill, loop_restart (0.17+): Megatron-LM's own loop from the wheel names a NaN at its
+  iteration; a persistent fault exits 84 and the launcher resumes from the healthy checkpoint
 """
 
 from __future__ import annotations
@@ -34,12 +39,18 @@ from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_VERSIONS = ("0.12.3", "0.13.1", "0.14.0", "0.15.3", "0.16.1")
+sys.path.insert(0, str(REPO))
+from megatron_patches import versions  # noqa: E402  (standard library only)
+DEFAULT_VERSIONS = ("0.12.3", "0.13.1", "0.14.0", "0.15.3", "0.16.1") if sys.version_info < (3, 12) \
+    else ("0.17.1", "0.18.2", "0.19.2")
+_LOOP = "tests/test_megatron_lm.py::test_"
 FEATURES = {
     "install": ["tests/test_patching.py"],
     "detection": ["tests/test_detection.py::test_fp32_nan_named_and_skipped"],
     "names": ["tests/test_detection.py::test_tp2_nan_on_tensor_parallel_rank_1"],
     "rollback": ["tests/test_recovery.py::test_persistent_fault_rolls_back_with_lower_lr_and_blacklist"],
+    "loop_drill": [f"{_LOOP}pretrain_gpt_names_the_parameter_at_megatrons_iteration[package]"],
+    "loop_restart": [f"{_LOOP}persistent_fault_exits_84_and_the_launcher_resumes_from_the_healthy_checkpoint[package]"],
 }
 PROBE = ("import json, importlib.metadata as m, megatron.core, megatron_patches, numpy, torch; "
          "print(json.dumps({'megatron_core': m.version('megatron-core'), 'core_file': megatron.core.__file__, "
@@ -142,6 +153,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         row: dict = {"version": version, "results": {}}
         rows.append(row)
         numpy1 = args.numpy1 and tuple(int(x) for x in version.split(".")[:2]) < (0, 16)
+        reason = versions.problem(version)
+        if reason:
+            say(f"{version}: {reason}")
+            row["results"] = {f: {"status": "SETUP", "seconds": 0.0, "detail": reason} for f in features}
+            continue
         try:
             row.update(make_venv(Path(args.cache) / f"megatron-core-{version}", version, numpy1))
         except (RuntimeError, subprocess.TimeoutExpired) as exc:

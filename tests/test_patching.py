@@ -1,5 +1,6 @@
 """The patch mechanism: idempotent, reversible, refuses unsupported megatron-core."""
 
+import importlib.util
 import inspect
 import logging
 
@@ -9,7 +10,7 @@ import wrapt
 from megatron_patches import hooks, patching, runtime
 from megatron_patches.config import Config
 from megatron_patches.errors import UnsupportedVersionError
-from megatron_patches.patching.registry import TARGETS
+from megatron_patches.patching.registry import TARGETS, TRAINING_TARGETS
 
 
 def _current(target):
@@ -22,7 +23,9 @@ def test_install_twice_adds_nothing_and_uninstall_restores(clean_patches, caplog
     with caplog.at_level(logging.INFO, logger="megatron_patches"):
         first = patching.install()
         second = patching.install()
-    assert sorted(first) == sorted(t.dotted for t in TARGETS)
+    # Megatron-LM's training targets come on top where megatron.training is importable (0.17+ wheel).
+    training = [t.dotted for t in TRAINING_TARGETS if importlib.util.find_spec(t.module.rsplit(".", 1)[0])]
+    assert sorted(first) == sorted([t.dotted for t in TARGETS] + training)
     assert second == []
     assert sum("patched megatron.core.optimizer.optimizer.FP32Optimizer.prepare_grads" in r.message
                for r in caplog.records) == 1
