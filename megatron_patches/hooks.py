@@ -40,6 +40,16 @@ def model_chunks_for(optimizer: Any) -> Optional[list]:
     return _model_chunks.get(optimizer)
 
 
+def known_model_chunks() -> list[list]:
+    """The model-chunk lists of every optimizer seen, each once."""
+    seen, out = set(), []
+    for chunks in list(_model_chunks.values()):
+        if id(chunks) not in seen:
+            seen.add(id(chunks))
+            out.append(chunks)
+    return out
+
+
 def register_model(optimizer: Any, model_chunks: list) -> None:
     """Tell the hooks which model an optimizer belongs to (names for incident records).
     Done automatically for optimizers made by ``get_megatron_optimizer``; custom loops that
@@ -94,6 +104,39 @@ def finalize_model_grads_wrapper(wrapped, instance, args, kwargs):
     if _monitor is not None:
         bound = _signature(wrapped).bind(*args, **kwargs)
         _monitor.before_grad_reduction(bound.arguments["model"])
+    return wrapped(*args, **kwargs)
+
+
+def _bind(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    """Bind a method call's arguments on the plain function (one cached signature per method,
+    not one per bound instance)."""
+    function = getattr(wrapped, "__func__", None)
+    if function is None:
+        return _signature(wrapped).bind(*args, **kwargs)
+    return _signature(function).bind(instance, *args, **kwargs)
+
+
+def check_grads_wrapper(wrapped, instance, args, kwargs):
+    """wrapt wrapper for DDP's per-bucket ``check_grads`` (Megatron's own NaN/Inf check, right
+    before the bucket's data-parallel collective): the guard owns the non-finite buckets."""
+    if _monitor is None:
+        return wrapped(*args, **kwargs)
+    from . import bucket_check
+
+    if not bucket_check.owns(_monitor, _bind(wrapped, instance, args, kwargs).arguments["check_for_nan_or_inf"]):
+        return wrapped(*args, **kwargs)
+    return bucket_check.check_grads(_monitor, instance, lambda: wrapped(*args, **kwargs))
+
+
+def validate_result_wrapper(wrapped, instance, args, kwargs):
+    """wrapt wrapper for ``RerunStateMachine.validate_result``: passes through, except a
+    non-finite bucket norm inside a ``check_grads`` the guard owns (the rerun machine is not told)."""
+    from . import bucket_check
+
+    if _monitor is not None and bucket_check.active():
+        bound = _bind(wrapped, instance, args, kwargs).arguments
+        if bucket_check.takes_over(bound["result"], bound["rejection_func"]):
+            return None
     return wrapped(*args, **kwargs)
 
 

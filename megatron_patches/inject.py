@@ -171,16 +171,20 @@ class Injector:
         ]
 
     def apply(self, step: int, phase: str, rank: int,
-              named_grads: list[tuple[str, int, torch.Tensor]]) -> list[str]:
-        """Corrupt the due gradients on this rank. ``named_grads``: (global name, forward order, grad)."""
+              named_grads: list[tuple[str, int, torch.Tensor]], part: bool = False) -> list[str]:
+        """Corrupt the due gradients on this rank. ``named_grads``: (global name, forward order, grad).
+        ``part``: they are only some of this rank's gradients (one bucket): a spec whose target is
+        not among them stays due."""
         done = []
         for index, spec in self.due(step, phase, rank):
-            self._fired.add((index, step))
             if spec.param is None:
                 # Forward order 0 is the model's first parameter; only ranks holding it match.
                 targets = [t for t in named_grads if t[1] == 0]
             else:
                 targets = [t for t in named_grads if fnmatch.fnmatchcase(t[0], spec.param)]
+            if part and not targets:
+                continue
+            self._fired.add((index, step))
             factor = spec.factor ** (step - spec.step + 1) if spec.kind == "growth" else spec.factor
             for name, _, grad in targets:
                 _corrupt(spec.kind, grad, factor, spec.bit)

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import weakref
+from dataclasses import asdict
 from typing import Any, Callable, Optional
 
 import torch
@@ -104,6 +105,8 @@ class GradMonitor:
         self.on_exit: list[Callable[[int], None]] = []
         """Called with the exit code before the monitor ends the process (writes the ledger)."""
         self._origin_flag: Optional[torch.Tensor] = None
+        self._pre_reduction: list[ParamFinding] = []
+        self._bucket_checks = False
         self._replica_count: Optional[int] = None
         self._pending_record: Optional[dict] = None
         self._scenes = None
@@ -124,6 +127,10 @@ class GradMonitor:
     @property
     def step(self) -> int:
         return self._step
+
+    def upcoming_step(self) -> int:
+        """The step whose gradients are being made now (before ``prepare_grads`` counts it)."""
+        return self._step + (0 if self._step_set else 1)
 
     def set_step(self, step: int) -> None:
         """Name the optimizer step about to run (1-based, as Megatron prints iterations).
@@ -192,15 +199,27 @@ class GradMonitor:
     def before_grad_reduction(self, model_chunks: Any) -> None:
         """Runs before the data-parallel reduction: phase=local drills corrupt here."""
         chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-        step = self._step + (0 if self._step_set else 1)
+        step = self.upcoming_step()
         if self.injector:
             self._inject_local(chunks, step)
         # With one replica there is nowhere else a fault could have entered: skip the extra read.
+        # Where Megatron's bucket check runs, the flag comes from its norms (note_pre_reduction).
         if (self.config.response.origin_check and step % self.config.check_interval == 0
-                and self._replicas() > 1):
+                and self._replicas() > 1 and not self._bucket_checks):
             self._origin_flag = local_nonfinite(chunks)
         for detector in self.detectors:
             detector.before_reduction(chunks, step)
+
+    def note_bucket_check(self) -> None:
+        """Megatron's per-bucket check ran under the guard (:mod:`megatron_patches.bucket_check`):
+        the origin flag comes from its norms from now on, with no read of our own."""
+        self._bucket_checks = True
+
+    def note_pre_reduction(self, findings: list[ParamFinding]) -> None:
+        """This rank's own gradients were non-finite before the data-parallel reduction (found
+        by Megatron's bucket check): this rank is an origin, and the record names ``findings``."""
+        self._pre_reduction += findings
+        self._origin_flag = torch.ones((), dtype=torch.float32)  # costs no read: always kept
 
     def _replicas(self) -> int:
         """Data-parallel replicas (context parallel included); fixed for the run."""
@@ -279,6 +298,7 @@ class GradMonitor:
         return ctx, maxabs, vec
 
     def _check(self, optimizer: Any, entries: list[Entry], step: int, action: str = "skip_step") -> bool:
+        pre_reduction, self._pre_reduction = self._pre_reduction, []
         ctx, maxabs, vec = self._local_stats(optimizer, entries, step)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(vec)  # every rank joins, stub optimizers included
@@ -306,7 +326,10 @@ class GradMonitor:
             offset += width
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         origins = [r for r, flag in enumerate(values[len(values) - world:]) if flag > 0]
-        flagged = bool(values[_NONFINITE] or values[_OVER_PARAM] or values[_SATURATED] or total_over or kinds)
+        # A rank whose own gradients were non-finite before the reduction flags the step even where
+        # the reduced gradients escape this check (Megatron's bucket check was left to us).
+        flagged = bool(values[_NONFINITE] or values[_OVER_PARAM] or values[_SATURATED] or total_over
+                       or kinds or origins)
         if self._replaying:
             for detector in self.detectors:
                 detector.commit(ctx, accepted=False)  # judged, but baselines stay as they were
@@ -315,7 +338,7 @@ class GradMonitor:
             for detector in self.detectors:
                 detector.commit(ctx, accepted=True)
             return False
-        skip = self._incident(ctx, maxabs, total_over, kinds, reduced, action, origins)
+        skip = self._incident(ctx, maxabs, total_over, kinds, reduced, action, origins, pre_reduction)
         for detector in self.detectors:
             detector.commit(ctx, accepted=not skip)
         return skip
@@ -360,15 +383,17 @@ class GradMonitor:
         return findings
 
     def _incident(self, ctx: CheckContext, maxabs, total_over: bool, kinds: list, reduced: dict,
-                  action: str, origins: list) -> bool:
+                  action: str, origins: list, pre_reduction: list) -> bool:
         step = ctx.step
         findings = self._findings(ctx, maxabs, total_over)
-        everyone = gather_to_zero({"findings": findings, "batch": self._batch, "ranks": locate.rank_info()})
+        everyone = gather_to_zero({"findings": findings, "batch": self._batch, "ranks": locate.rank_info(),
+                                   "pre_reduction": pre_reduction})
         record: dict = {}
         decision = None
         if self.rank == 0:
             found = [f for part in everyone for f in part["findings"]]
-            reasons = {r for f in found for r in f.reasons}
+            before = [f for part in everyone for f in part["pre_reduction"]]
+            reasons = {r for f in found + before for r in f.reasons}
             found_kinds = [k for k in ("nan", "inf", "overflow", "magnitude") if k in reasons or
                            (k == "magnitude" and "magnitude_total" in reasons)]
             found_kinds += [k for k in kinds if k not in found_kinds]
@@ -383,9 +408,14 @@ class GradMonitor:
             extra: dict[str, Any] = {}
             for detector in self.detectors:
                 extra.update(detector.extra(ctx, reduced[detector.name]))
+            message = _describe(kind, found, ctx.total_norm)
+            if before:  # named where Megatron's bucket check found them, on the origin rank
+                extra["pre_reduction"] = [asdict(f) for f in before]
+                message += (f"; entered on rank(s) {sorted({f.ranks['global'] for f in before})} before the "
+                            f"data-parallel reduction, at {', '.join(sorted({f.name for f in before}))}")
             record = make_record(
                 step=step, severity=decision.severity, kind=kind, kinds=found_kinds, action=decision.action,
-                message=_describe(kind, found, ctx.total_norm), params=found,
+                message=message, params=found,
                 ranks_affected=[f.ranks["global"] for f in found], world=locate.world_layout(),
                 total_norm=finite_or_none(ctx.total_norm),
                 batch={**self._batch_info, "samples": sorted({i for part in everyone for i in part["batch"]})},

@@ -433,3 +433,73 @@ def wandb_history(run_file: Path) -> list[dict]:
             rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                          for item in record.history.item})
     return rows
+
+
+
+def one_off_local_nan(loop: Loop, tmp_path: Path, *extra: str) -> tuple[str, dict]:
+    """Stock flags (Megatron's pre-reduction NaN check on, --rerun-mode validate_results), 2 ranks,
+    one NaN in rank 1's own fc1 gradient at iteration 4: the run must end 0 with one incident."""
+    env = guard_env(tmp_path, inject=[f"nan:step=4,rank=1,phase=local,param={FC1}"])
+    proc = subprocess.run(loop.command(*extra), capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    # Megatron's rerun machine is not asked: no rerun, no "possible transient error", no exit 17.
+    assert "Need to rerun step" not in output and "Possible transient error" not in output
+    assert re.search(rf"before the data-parallel reduction: non-finite local gradient on rank 1 .*{FC1}", output)
+    [incident] = incidents(tmp_path)
+    assert incident["step"] == 4 and incident["kind"] == "nan" and incident["action"] == "skip_step"
+    assert incident["first"]["name"] == FC1 and incident["origin_ranks"] == [1]
+    assert incident["severity"] == "warning"  # one origin: below critical
+    # Named where Megatron's bucket check found it: on rank 1, before the reduction spread it.
+    [before] = incident["pre_reduction"]
+    assert before["name"] == FC1 and before["nan"] == 1 and before["layer"] == 1
+    assert before["ranks"]["global"] == 1 and before["ranks"]["dp"] == 1
+    logged = iterations(output)
+    assert sorted(logged) == [1, 2, 3, 4, 5, 6]
+    assert "number of skipped iterations:   1" in logged[4]
+    losses = [float(re.search(r"lm loss: ([^ ]+)", logged[i]).group(1)) for i in (5, 6)]
+    assert all(loss == loss and loss < 100 for loss in losses), losses
+    return output, incident
+
+
+@pytest.mark.multiproc
+def test_stock_flags_local_nan_on_one_rank_is_the_guards_incident_not_megatrons_exit(loop_kind, request, tmp_path):
+    """The bucket check finds rank 1's NaN before the reduction; the guard names it, skips the
+    step and the job runs to its last iteration instead of Megatron's rerun machine ending it with 17."""
+    one_off_local_nan(make_loop(loop_kind, request, tmp_path, only="pretrain"), tmp_path)
+
+
+@pytest.mark.multiproc
+def test_overlapped_reduction_local_nan_is_named_at_its_bucket_with_one_origin(loop_kind, request, tmp_path):
+    """--overlap-grad-reduce: buckets are reduced during backward, before finalize_model_grads. The
+    drill and the origin flag go in at the bucket's check, before its collective: one origin,
+    graded below critical; after the reduce-scatter the NaN sits in its owner's shard."""
+    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
+    _, incident = one_off_local_nan(loop, tmp_path, "--overlap-grad-reduce", "--use-distributed-optimizer")
+    assert all(p["shard"] for p in incident["params"])
+
+
+@pytest.mark.multiproc
+def test_stock_flags_persistent_local_nan_takes_the_guards_rollback_path(loop_kind, request, tmp_path):
+    """Stock flags, rank 1's own gradient NaN at iterations 3 and 4: the guard, not Megatron's rerun
+    machine, handles both (skip, then rollback with exit 84), and the launcher resumes from the
+    healthy checkpoint to the last iteration."""
+    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
+    save = tmp_path / "ckpt"
+    env = guard_env(tmp_path, inject=[f"nan:step=3,count=2,rank=1,phase=local,param={FC1}"])
+    command = loop.command("--save", str(save), "--load", str(save), "--save-interval", "2",
+                           *loop.checkpoint_format())
+    proc = subprocess.run([sys.executable, str(LAUNCHER), "--max-restarts", "2", "--", *command],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=REPO, env=env)
+    output = proc.stdout
+    assert proc.returncode == 0, output[-6000:]
+    assert "Need to rerun step" not in output and "exitcode  : 17" not in output
+
+    first, second = output.split("[restart_on_rollback] attempt 2:")
+    assert first.count("stopping with exit code 84") == 2
+    found = incidents(tmp_path)
+    assert [i["step"] for i in found] == [3, 4]
+    assert [i["severity"] for i in found] == ["warning", "error"] and found[1]["action"] == "rollback"
+    assert all(i["origin_ranks"] == [1] and i["pre_reduction"][0]["name"] == FC1 for i in found)
+    assert re.search(r"successfully loaded checkpoint from .* at iteration\s+2\b", second), second[-4000:]
+    assert sorted(iterations(second)) == [5, 6]

@@ -197,10 +197,11 @@ class MegatronLMSession:
     def _advise(self, args: Any) -> None:
         if getattr(args, "check_for_nan_in_loss_and_grad", False):
             log.info("Megatron-LM's own NaN/Inf check is on (--check-for-nan-in-loss-and-grad, the "
-                     "default): a NaN/Inf in the loss or in a gradient bucket before the data-parallel "
-                     "reduction is handled by its RerunStateMachine (RuntimeError, or exit 16/17) "
-                     "before megatron_patches sees the step. Pass --no-check-for-nan-in-loss-and-grad "
-                     "to have megatron_patches name the parameter and skip or roll back instead.")
+                     "default): a non-finite gradient bucket before the data-parallel reduction is "
+                     "megatron_patches' to handle on the steps it checks (named on its origin rank, "
+                     "then skipped or rolled back); a NaN/Inf in the loss is still handled by "
+                     "Megatron's RerunStateMachine (RuntimeError, or exit 16/17) before "
+                     "megatron_patches sees the step.")
 
     def _scale_lr(self, args: Any, optimizer: Any, scale: float) -> None:
         for name in ("lr", "min_lr", "lr_warmup_init"):
@@ -338,7 +339,7 @@ class MegatronLMSession:
             with open(path, encoding="utf-8") as handle:
                 state = json.load(handle)
         except FileNotFoundError:
-            _warn0("no guard state in %s (saved without megatron_patches, or by another world size): "
+            _warn0("no guard state in %s (saved without megatron_patches?): "
                    "the history detectors start a new baseline", os.path.dirname(path))
             return
         except (OSError, ValueError) as exc:

@@ -84,6 +84,23 @@ TARGETS: tuple[PatchTarget, ...] = (
         "Runs right before the data-parallel gradient reduction: drills with phase=local inject here.",
         aliases=("megatron.core.distributed", "megatron.training.training"),
     ),
+    PatchTarget(
+        "megatron.core.distributed.param_and_grad_buffer",
+        "_ParamAndGradBucketGroup.check_grads",
+        hooks.check_grads_wrapper,
+        "Megatron's own NaN/Inf check (--check-for-nan-in-loss-and-grad, on by default) takes each "
+        "bucket's local norm right before its data-parallel collective and hands a non-finite one to "
+        "the RerunStateMachine, which ends the job (exit 16/17) naming no parameter. The guard names "
+        "the bucket's parameters on the origin rank and owns the fault (megatron_patches.bucket_check).",
+    ),
+    PatchTarget(
+        "megatron.core.rerun_state_machine",
+        "RerunStateMachine.validate_result",
+        hooks.validate_result_wrapper,
+        "Where check_grads hands Megatron's bucket norm over: inside a check the guard owns, a "
+        "non-finite norm (Megatron's own, no second pass over the gradients) is kept from the "
+        "rerun machine; every other validation passes through unchanged.",
+    ),
 )
 
 _TRAINING = "megatron.training.training"

@@ -1,0 +1,148 @@
+"""Megatron's own pre-reduction check, with the guard owning what it finds.
+
+With ``--check-for-nan-in-loss-and-grad`` (Megatron-LM's default), DDP's
+``_ParamAndGradBucketGroup.check_grads`` takes each bucket's local gradient norm right before the
+bucket's data-parallel collective and hands it to the RerunStateMachine with ``fatal=True``. A
+one-off NaN there makes Megatron rerun the step, call it a possible transient error and exit 17 on
+every rank (16 when it reproduces; a RuntimeError on the faulty rank with ``--rerun-mode
+disabled``), with no parameter named.
+
+While a bucket group's check runs on a step the guard checks, each NaN/Inf validation Megatron
+asks for is looked at first, on Megatron's own norm (no extra read):
+
+- finite: it goes on to the rerun machine unchanged;
+- not finite: it is kept from the machine. This rank names the non-finite parameters of the group,
+  raises its origin flag and leaves the rest to the guard's check before clipping: the reduced
+  gradient is non-finite on every rank, so that check skips the step (or rolls back when the fault
+  persists), grading by origin, and the record carries this rank's pre-reduction findings.
+
+On steps the guard does not check (``check_interval``) Megatron's check acts as without the guard.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import hooks, locate
+from .incidents import ParamFinding
+
+log = logging.getLogger("megatron_patches")
+
+
+@dataclass
+class _Scope:
+    """One ``check_grads`` call the guard owns."""
+
+    norms: list[float] = field(default_factory=list)
+    """Megatron's non-finite bucket norms seen in this call."""
+    last: Optional[tuple[Any, bool]] = None
+    """(norm tensor, finite): the NaN and the Inf validation of a bucket share one host read."""
+
+
+_scope: contextvars.ContextVar[Optional[_Scope]] = contextvars.ContextVar("megatron_patches_bucket_check", default=None)
+
+
+def owns(monitor: Any, check_for_nan_or_inf: bool) -> bool:
+    """Whether the guard takes this check over: Megatron's NaN check on, a step the guard checks."""
+    config = monitor.config
+    return (bool(check_for_nan_or_inf) and config.detectors.nonfinite.enabled
+            and monitor.upcoming_step() % config.check_interval == 0)
+
+
+def check_grads(monitor: Any, group: Any, call: Callable[[], Any]) -> Any:
+    """Run Megatron's ``check_grads`` for ``group`` with its NaN/Inf verdicts routed to the guard."""
+    _inject(monitor, group)
+    scope = _Scope()
+    token = _scope.set(scope)
+    try:
+        result = call()
+    finally:
+        _scope.reset(token)
+    monitor.note_bucket_check()
+    if scope.norms:
+        findings = nonfinite_params(group)
+        monitor.note_pre_reduction(findings)
+        ranks = locate.rank_info()
+        names = ", ".join(f"{f.name} ({'nan' if f.nan else 'inf'} {f.nan or f.inf})" for f in findings) or "none found"
+        log.warning("step %d: before the data-parallel reduction: non-finite local gradient on rank %d "
+                    "(tp %d, pp %d, dp %d), bucket norm(s) %s: %s; kept from Megatron's RerunStateMachine, "
+                    "the guard's check before clipping decides",
+                    monitor.upcoming_step(), ranks["global"], ranks["tp"], ranks["pp"], ranks["dp"],
+                    ", ".join(f"{n:g}" for n in scope.norms), names)
+    return result
+
+
+def active() -> bool:
+    """Inside a ``check_grads`` the guard owns."""
+    return _scope.get() is not None
+
+
+def takes_over(result: Any, rejection_func: Callable) -> bool:
+    """Called for every ``validate_result``: True when it is a NaN/Inf validation of a bucket
+    norm inside a check the guard owns, and the norm is not finite (Megatron is not told)."""
+    scope = _scope.get()
+    if scope is None or rejection_func not in (torch.isnan, torch.isinf) or not isinstance(result, torch.Tensor):
+        return False
+    if scope.last is not None and scope.last[0] is result:
+        finite = scope.last[1]
+    else:
+        finite = bool(torch.isfinite(result).all())
+        scope.last = (result, finite)
+        if not finite:
+            scope.norms.append(float(result.float().max() if result.numel() > 1 else result))
+    return not finite
+
+
+def nonfinite_params(group: Any) -> list[ParamFinding]:
+    """This rank's parameters in ``group`` whose local gradient holds NaN/Inf (the fault path)."""
+    params = [p for bucket in group.buckets for p in bucket.params_list]
+    infos = _names(params)
+    ranks, host, device = locate.rank_info(), locate.host(), locate.device_name()
+    findings = []
+    for param in params:
+        grad = getattr(param, "main_grad", None)
+        grad = grad if grad is not None else param.grad
+        if grad is None:
+            continue
+        nan, inf = int(torch.isnan(grad).sum()), int(torch.isinf(grad).sum())
+        if not (nan or inf):
+            continue
+        info = infos.get(id(param))
+        findings.append(ParamFinding(
+            name=info.name if info else f"<unnamed {tuple(param.shape)}>", layer=info.layer if info else None,
+            shape=list(param.shape), nan=nan, inf=inf, overflow=0, norm=None, ranks=ranks, host=host,
+            device=device, order=info.order if info else -1, reasons=(["nan"] if nan else []) + (["inf"] if inf else [])))
+    return findings
+
+
+def _inject(monitor: Any, group: Any) -> None:
+    """``phase=local`` drills due now, into this group's gradients before Megatron takes its norm.
+    Under ``--overlap-grad-reduce`` this runs during backward, the last moment before the
+    collective; without it ``finalize_model_grads`` came first and has fired them already."""
+    if not monitor.injector:
+        return
+    params = [p for bucket in group.buckets for p in bucket.params_list]
+    infos = _names(params)
+    grads = []
+    for param in params:
+        grad = getattr(param, "main_grad", None)
+        grad = grad if grad is not None else param.grad
+        if grad is not None and id(param) in infos:
+            grads.append((infos[id(param)].name, infos[id(param)].order, grad))
+    fired = monitor.injector.apply(monitor.upcoming_step(), "local", monitor.rank, grads, part=True)
+    monitor.counters["injected"] += len(fired)
+
+
+def _names(params: list) -> dict:
+    """Names from the model chunks the optimizer was built for (the chunks holding ``params``)."""
+    wanted = {id(p) for p in params}
+    for chunks in hooks.known_model_chunks():
+        infos = locate.name_parameters(chunks)
+        if wanted & infos.keys():
+            return infos
+    return {}
