@@ -65,7 +65,7 @@ class _Sink:
 class JsonlSink(_Sink):
     def __init__(self, path: str):
         self.name = f"jsonl {path}"
-        self._writer = JsonlWriter(path, fsync=False)
+        self._writer = JsonlWriter(path, fsync=False, strict=True)
 
     def send(self, payload: bytes, record: dict) -> None:
         try:

@@ -12,13 +12,17 @@ Retention never deletes the newest healthy checkpoint.
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import random
 import shutil
 from typing import Any, Optional
 
 import torch
+
+log = logging.getLogger("megatron_patches")
 
 MARKER = "megatron_patches.json"
 _PREFIX = "iter_"
@@ -139,15 +143,39 @@ def write_marker(directory: str, step: int, healthy: bool, **extra: Any) -> None
     write_json_atomic(os.path.join(directory, MARKER), {"step": step, "healthy": bool(healthy), **extra})
 
 
-def write_json_atomic(path: str, value: Any) -> None:
-    """Write ``value`` as JSON so that ``path`` holds either the old or the whole new file:
-    a temporary file beside it, flushed to disk, then renamed over it."""
+def write_json_atomic(path: str, value: Any, *, indent: Optional[int] = None) -> None:
+    """Write ``value`` as JSON so that ``path`` holds either the old or the whole new file, also
+    after a power loss: a temporary file beside it, flushed to disk, renamed over it, and the
+    directory flushed so the rename itself is on disk. Raises OSError when any of that fails
+    (the temporary file is removed then)."""
+    directory = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(value, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            json.dump(value, handle, indent=indent)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_directory(directory)
+
+
+def fsync_directory(directory: str) -> None:
+    """Flush a directory's entries (a rename in it) to disk. File systems that cannot sync a
+    directory (EINVAL, ENOTSUP: some network and FUSE mounts) are passed over."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
 
 
 def params_finite(model: Any) -> bool:
@@ -168,7 +196,10 @@ def params_finite(model: Any) -> bool:
 
 
 def list_checkpoints(root: str) -> list[tuple[int, str, bool]]:
-    """(step, path, healthy) of every complete checkpoint, oldest first."""
+    """(step, path, healthy) of every complete checkpoint, oldest first.
+
+    A checkpoint whose marker cannot be read (empty after a power loss, not JSON, wrong fields)
+    is passed over with a warning: it is no rollback target, and retention leaves it alone."""
     found = []
     if not os.path.isdir(root):
         return found
@@ -176,10 +207,35 @@ def list_checkpoints(root: str) -> list[tuple[int, str, bool]]:
         path = os.path.join(root, name)
         if not name.startswith(_PREFIX) or not os.path.isfile(os.path.join(path, MARKER)):
             continue
-        with open(os.path.join(path, MARKER), encoding="utf-8") as handle:
-            marker = json.load(handle)
-        found.append((int(marker["step"]), path, bool(marker["healthy"])))
+        marker = read_marker(path)
+        if marker is not None:
+            found.append((marker[0], path, marker[1]))
     return sorted(found)
+
+
+def read_marker(directory: str) -> Optional[tuple[int, bool]]:
+    """(step, healthy) from ``directory``'s marker; None, with a warning, when it is unusable."""
+    path = os.path.join(directory, MARKER)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            marker = json.load(handle)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        why = getattr(exc, "strerror", None) or (str(exc).splitlines() or ["empty"])[0]
+        return _bad_marker(path, f"cannot be read as JSON ({why})")
+    if not isinstance(marker, dict):
+        return _bad_marker(path, f"holds {type(marker).__name__}, not an object")
+    step, healthy = marker.get("step"), marker.get("healthy")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return _bad_marker(path, f"has step {step!r}, not a non-negative integer")
+    if not isinstance(healthy, bool):
+        return _bad_marker(path, f"has healthy {healthy!r}, not true or false")
+    return step, healthy
+
+
+def _bad_marker(path: str, why: str) -> None:
+    log.warning("checkpoint marker %s %s: that checkpoint is passed over (no rollback target); "
+                "delete the checkpoint or rewrite its marker", path, why)
+    return None
 
 
 def newest_healthy(root: str) -> Optional[tuple[int, str]]:

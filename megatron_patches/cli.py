@@ -25,12 +25,14 @@ PROG = "megatron-patches"
 
 def cmd_report(args: argparse.Namespace) -> int:
     from . import report as rpt
+    from .incidents import finite_json
 
     loaded = rpt.load_report(args.dir, with_history=bool(args.plot))
     for problem in loaded.problems:
         print(f"{PROG} report: {problem}", file=sys.stderr)
     if args.json:
-        print(json.dumps(rpt.summary(loaded), indent=2))
+        # Strict JSON: NaN and Infinity (which json.dumps would print bare) become null.
+        print(json.dumps(finite_json(rpt.summary(loaded)), indent=2, allow_nan=False))
     else:
         print(rpt.format_text(loaded))
     if args.plot:

@@ -8,6 +8,7 @@ silently. Every field has a default, so an empty file (or no file) is a working 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -280,9 +281,18 @@ class Config:
 
 def load_config(path: Optional[str] = None) -> Config:
     """Load the config at ``path``, or at $MEGATRON_PATCHES_CONFIG, or the defaults."""
-    path = path if path is not None else os.environ.get(ENV_VAR) or None
-    if path is None:
-        return Config()
+    path = config_path(path)
+    return Config() if path is None else Config.from_dict(read_config_file(path))
+
+
+def config_path(path: Optional[str] = None) -> Optional[str]:
+    """``path``, else $MEGATRON_PATCHES_CONFIG, else None (the defaults)."""
+    return path if path is not None else os.environ.get(ENV_VAR) or None
+
+
+def read_config_file(path: str) -> dict:
+    """The mapping in the YAML file at ``path`` (not yet validated); any file that is not one
+    (missing, a directory, unreadable, not UTF-8, not YAML, not a mapping) is a ConfigError."""
     import yaml
 
     try:
@@ -290,11 +300,19 @@ def load_config(path: Optional[str] = None) -> Config:
             data = yaml.safe_load(handle)
     except FileNotFoundError:
         raise ConfigError(f"config file {path!r} does not exist (set {ENV_VAR} to a YAML file)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path!r} is a directory; pass the YAML file inside it") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path!r} cannot be read ({exc.strerror or exc}); "
+                          f"check its permissions") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text (byte {exc.start}); "
+                          f"save it as UTF-8 YAML") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from None
+        raise ConfigError(f"config file {path!r} is not valid YAML: {' '.join(str(exc).split())}") from None
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"config file {path!r} must hold a mapping at the top level, got {type(data).__name__}")
-    return Config.from_dict(data)
+    return {} if data is None else data
 
 
 # --- validation -------------------------------------------------------------------------
@@ -347,12 +365,21 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
         if isinstance(value, str):
             # PyYAML reads 1.0e6 (no sign after e) as a string; take it as the number meant.
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 raise wrong from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise wrong
-        return float(value)
+        else:
+            try:
+                number = float(value)
+            except OverflowError:  # an integer too large for a float
+                number = math.inf
+        if not math.isfinite(number):
+            # NaN compares false with every bound, so it would switch a check off silently.
+            raise ConfigError(f"`{where}` must be a finite number, got {value!r}; "
+                              f"use a finite value (or null where the key allows switching it off)")
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise wrong
@@ -365,6 +392,11 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
         raise ConfigError(f"`{prefix.rstrip('.') or 'config'}` must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if not isinstance(key, str):
+            where = prefix.rstrip(".") or "the top level"
+            raise ConfigError(f"config key {key!r} at {where} is not a name (YAML read it as "
+                              f"{type(key).__name__}); valid keys: {', '.join(sorted(known))}")
     unknown = sorted(set(data) - set(known))
     if unknown:
         where = prefix.rstrip(".") or "the top level"

@@ -9,11 +9,14 @@ leave a truncated last line, which readers skip with a message.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
+
+log = logging.getLogger("megatron_patches")
 
 INCIDENT_SCHEMA = "megatron_patches.incident/1"
 HISTORY_SCHEMA = "megatron_patches.grad_history/1"
@@ -92,21 +95,75 @@ def make_record(
 
 
 class JsonlWriter:
-    """Appends JSON lines to one file; each line is written in one call and flushed."""
+    """Appends JSON lines to one file; each line is written in one call and flushed.
 
-    def __init__(self, path: str, fsync: bool = True):
+    A write that fails (disk full, read-only or vanished directory, no permission) never
+    raises: the record is counted in ``lost_writes`` and a warning names the path and the
+    error, the first time and then at most once per ``warn_every`` losses or
+    ``warn_interval_s`` seconds, whichever comes first. ``strict=True`` raises the OSError
+    instead (for callers that report failures themselves, such as the alert sink)."""
+
+    def __init__(self, path: str, fsync: bool = True, *, strict: bool = False,
+                 warn_every: int = 100, warn_interval_s: float = 60.0):
         self.path = path
+        self.lost_writes = 0
+        """Records not written because the file system refused them."""
         self._fsync = fsync
+        self._strict = strict
+        self._warn_every = warn_every
+        self._warn_interval_s = warn_interval_s
+        self._warned_at: Optional[tuple[int, float]] = None  # (lost_writes, monotonic time) of the last warning
+        self._dir_ready = False
         self._lock = threading.Lock()
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
-    def write(self, obj: dict[str, Any]) -> None:
-        line = json.dumps(obj, separators=(",", ":"), allow_nan=False, default=_jsonable) + "\n"
-        with self._lock, open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(line)
-            handle.flush()
-            if self._fsync:
-                os.fsync(handle.fileno())
+    def write(self, obj: dict[str, Any]) -> bool:
+        """Append ``obj``; True when it reached the file (False: counted and warned about)."""
+        try:
+            line = json.dumps(obj, separators=(",", ":"), allow_nan=False, default=_jsonable) + "\n"
+        except ValueError:  # a NaN or Inf slipped into the record: JSON has null for it
+            line = json.dumps(finite_json(obj), separators=(",", ":"), allow_nan=False, default=_jsonable) + "\n"
+        data = line.encode("utf-8")
+        with self._lock:
+            start = None
+            try:
+                if not self._dir_ready:
+                    os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+                    self._dir_ready = True
+                with open(self.path, "ab") as handle:
+                    start = handle.seek(0, os.SEEK_END)
+                    handle.write(data)
+                    handle.flush()
+                    if self._fsync:
+                        os.fsync(handle.fileno())
+                return True
+            except OSError as exc:
+                self._dir_ready = False  # the directory may have been removed: make it again next time
+                if start is not None:
+                    _cut(self.path, start)
+                if self._strict:
+                    raise
+                self._lost(exc)
+                return False
+
+    def _lost(self, exc: OSError) -> None:
+        self.lost_writes += 1
+        now = time.monotonic()
+        if self._warned_at is not None:
+            count, when = self._warned_at
+            if self.lost_writes - count < self._warn_every and now - when < self._warn_interval_s:
+                return
+        self._warned_at = (self.lost_writes, now)
+        log.warning("cannot write to %s (%s); %d record(s) lost so far, training goes on "
+                    "(free space or fix report_dir; warned again after %d more or %.0f s)",
+                    self.path, exc, self.lost_writes, self._warn_every, self._warn_interval_s)
+
+
+def _cut(path: str, size: int) -> None:
+    """Drop a partly written line (e.g. the disk filled mid-line), so the next line starts clean."""
+    try:
+        os.truncate(path, size)
+    except OSError:
+        pass
 
 
 def _jsonable(value: Any) -> Any:
@@ -115,6 +172,17 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (set, tuple)):
         return list(value)
     return str(value)
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with every NaN and infinite float replaced by None (null), recursively."""
+    if isinstance(value, float):
+        return finite_or_none(value)
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
 
 
 def finite_or_none(x: float) -> Optional[float]:

@@ -584,14 +584,17 @@ class GradMonitor:
         if self._history is None:
             self._history = JsonlWriter(os.path.join(self.report_dir, HISTORY_FILE), fsync=False)
         if self._history_lines >= self.config.grad_history_max_lines:
-            os.replace(self._history.path, self._history.path + ".1")
+            try:
+                os.replace(self._history.path, self._history.path + ".1")
+            except OSError as exc:  # a failing disk must not stop training: keep appending
+                log.warning("cannot rotate %s (%s); it keeps growing", self._history.path, exc)
             self._history_lines = 0
         names = _slot_names(len(layer_sq))
-        self._history.write({
+        written = self._history.write({
             "schema": HISTORY_SCHEMA, "step": step, "total_norm": finite_or_none(total_norm),
             "layers": {n: finite_or_none(math.sqrt(v)) if v >= 0 else None for n, v in zip(names, layer_sq)},
         })
-        self._history_lines += 1
+        self._history_lines += int(written)
 
 
 def _describe(kind: str, findings: list[ParamFinding], total_norm: float) -> str:

@@ -48,8 +48,16 @@ def read_jsonl(path: str, schema: str, problems: list[Problem]) -> list[dict[str
         problems.append(Problem(path, 0, "does not exist (nothing was recorded yet, or report_dir points elsewhere)"))
         return []
     records: list[dict[str, Any]] = []
-    with open(path, "rb") as handle:
-        lines = handle.readlines()
+    if not os.path.isfile(path):
+        what = "a directory" if os.path.isdir(path) else "not a regular file"
+        problems.append(Problem(path, 0, f"is {what}, not incident records; move it away (the writer needs a file there)"))
+        return []
+    try:
+        with open(path, "rb") as handle:
+            lines = handle.readlines()
+    except OSError as exc:
+        problems.append(Problem(path, 0, f"cannot be read ({exc.strerror or exc}); check its permissions"))
+        return []
     if not any(line.strip() for line in lines):
         problems.append(Problem(path, 0, "is empty: nothing recorded"))
         return []

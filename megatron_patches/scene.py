@@ -126,6 +126,16 @@ def write_bundle(path: str, payload: dict, files_json: dict, max_bytes: int = 64
     tmp = os.path.join(parent, f".tmp-{name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    try:
+        _write_into(tmp, payload, files_json, max_bytes)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back for the records
+        raise
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
+def _write_into(tmp: str, payload: dict, files_json: dict, max_bytes: int) -> None:
     if _size(payload) > max_bytes and "tokens" in payload.get("batch", {}):
         payload = {**payload, "batch": {**payload["batch"], "tokens": None, "tokens_dropped": "over max_bytes"}}
     sizes = {}
@@ -144,8 +154,6 @@ def write_bundle(path: str, payload: dict, files_json: dict, max_bytes: int = 64
         json.dump({"files": sizes}, handle)
         handle.flush()
         os.fsync(handle.fileno())
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
 
 
 def _size(obj: Any) -> int:

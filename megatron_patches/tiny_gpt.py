@@ -71,16 +71,22 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def _effective_config(args: argparse.Namespace) -> str:
-    """Write the config the job runs with (file + --inject + --out) and return its path."""
+    """Write the config the job runs with (file + --inject + --out) and return its path.
+
+    ``report_dir`` is the config file's when it sets one, else ``--out``: reports can live apart
+    from the results and checkpoints (which stay under ``--out``)."""
     import yaml
 
-    from .config import load_config
+    from .config import Config, config_path, read_config_file
     from .inject import parse_spec
 
-    base = load_config(args.config)
+    source = config_path(args.config)
+    data = read_config_file(source) if source else {}
+    base = Config.from_dict(data)
     for spec in args.inject:
         parse_spec(spec)  # reject a bad spec before any process group exists
-    config = base.replace(inject=tuple(base.inject) + tuple(args.inject), report_dir=args.out)
+    report_dir = base.report_dir if "report_dir" in data else args.out
+    config = base.replace(inject=tuple(base.inject) + tuple(args.inject), report_dir=report_dir)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "effective_config.yaml")
     import dataclasses

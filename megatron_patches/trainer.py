@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import math
 import os
 import time
@@ -335,6 +334,17 @@ class TinyTrainer:
         for layer, norm in self.monitor.last_layer_norms.items():
             tb.add_scalar(f"megatron_patches/layer_grad_norm/{layer}", norm, step)
 
+    def _lost_writes(self, scenes: Any) -> dict[str, int]:
+        """Records the guard could not write on this rank (its report files and fault scenes),
+        by file; each loss was logged as a warning and training went on."""
+        lost = {}
+        for writer in (self.monitor._incidents, self.monitor._history):
+            if writer is not None and writer.lost_writes:
+                lost[writer.path] = writer.lost_writes
+        if scenes is not None and scenes.failed:
+            lost[os.path.join(self.monitor.report_dir, "scenes")] = scenes.failed
+        return lost
+
     def _params_finite(self) -> bool:
         from .checkpoint import params_finite
 
@@ -371,17 +381,20 @@ class TinyTrainer:
             "tp": a.tp, "pp": a.pp, "dp": self.dp,
             "precision": a.precision, "distributed_optimizer": a.distributed_optimizer,
             "device": self.device, "seconds": round(seconds, 3),
+            "lost_writes": {},
         }
         if self.monitor is not None:
+            scenes = self.monitor._scenes  # close() lets go of it; its failures are counted while closing
             self.monitor.close()
+            result["lost_writes"] = self._lost_writes(scenes)
         if self.tensorboard is not None:
             self.tensorboard.close()
         if self.rank == 0:
+            from .checkpoint import write_json_atomic
+
             os.makedirs(a.out, exist_ok=True)
             path = os.path.join(a.out, "result.json")
-            with open(path + ".tmp", "w", encoding="utf-8") as handle:
-                json.dump(result, handle, indent=2)
-            os.replace(path + ".tmp", path)
+            write_json_atomic(path, result, indent=2)
             print(f"done: {len(losses)} steps, loss {result['initial_loss']:.4f} -> {result['final_loss']:.4f}, "
                   f"skipped {skipped}, incidents {result['incidents']}, params finite: {result['params_finite']} "
                   f"-> {path}", flush=True)

@@ -51,13 +51,33 @@ def checkpoint_dir_of(command: list[str]) -> Optional[str]:
 
 
 def read_ledger(directory: Optional[str]) -> dict:
+    """The ledger's fields ({} when there is none yet). A ledger that cannot be read, or whose
+    ``rollbacks`` / ``rollback_requested`` are unusable, ends this script with exit 2: restarting
+    on a corrupt ledger would let the job run with whatever it makes of it."""
     if directory is None:
         return {}
+    path = os.path.join(directory, LEDGER_FILE)
+    fix = "repair it or move it away (a fresh ledger forgets its blacklist and rollback count), then run again"
     try:
-        with open(os.path.join(directory, LEDGER_FILE), encoding="utf-8") as handle:
-            return json.load(handle)
-    except (FileNotFoundError, json.JSONDecodeError):
+        with open(path, encoding="utf-8") as handle:
+            ledger = json.load(handle)
+    except FileNotFoundError:
         return {}
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        why = getattr(exc, "strerror", None) or (str(exc).splitlines() or ["empty"])[0]
+        say(f"error: ledger {path} cannot be read as JSON ({why}); {fix}")
+        sys.exit(2)
+    rollbacks = ledger.get("rollbacks", 0) if isinstance(ledger, dict) else None
+    if not isinstance(ledger, dict):
+        problem = f"holds {type(ledger).__name__}, not an object"
+    elif isinstance(rollbacks, bool) or not isinstance(rollbacks, int) or rollbacks < 0:
+        problem = f"`rollbacks` must be a non-negative integer, got {json.dumps(rollbacks)}"
+    elif not isinstance(ledger.get("rollback_requested"), (dict, type(None))):
+        problem = f"`rollback_requested` must be an object or null, got {json.dumps(ledger['rollback_requested'])}"
+    else:
+        return ledger
+    say(f"error: ledger {path}: {problem}; {fix}")
+    sys.exit(2)
 
 
 def run_once(command: list[str]) -> int:
