@@ -22,6 +22,8 @@ Features and the tests that measure them (real tiny-GPT trainings on CPU, see te
 - detection: a NaN in fp32 training caught before clipping and the step skipped
 - names: TP=2, the NaN named on tensor-parallel rank 1 with its layer and shape
 - rollback: a persistent fault rolls back in-process to a dist_checkpointing checkpoint
+- norm: the guard's total gradient norm equals Megatron's (<= 1e-5) in 1 rank, TP2, PP2, DP2 with
+  the distributed optimizer (fp32, bf16) and fp16 DP2
 - loop_drill, loop_restart (0.17+): Megatron-LM's own loop from the wheel names a NaN at its
   iteration; a persistent fault exits 84 and the launcher resumes from the healthy checkpoint
 """
@@ -49,6 +51,7 @@ FEATURES = {
     "detection": ["tests/test_detection.py::test_fp32_nan_named_and_skipped"],
     "names": ["tests/test_detection.py::test_tp2_nan_on_tensor_parallel_rank_1"],
     "rollback": ["tests/test_recovery.py::test_persistent_fault_rolls_back_with_lower_lr_and_blacklist"],
+    "norm": ["tests/test_training.py::test_single_rank_fp32_trains", "tests/test_training.py::test_parallel_layouts_train"],
     "loop_drill": [f"{_LOOP}pretrain_gpt_names_the_parameter_at_megatrons_iteration[package]"],
     "loop_restart": [f"{_LOOP}persistent_fault_exits_84_and_the_launcher_resumes_from_the_healthy_checkpoint[package]"],
 }
