@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -58,6 +59,20 @@ def assert_norm_is_megatrons(result: dict, steps: int) -> None:
     reported (relative difference <= 1e-5): same gradients, same parameters counted once."""
     gap = result["grad_norm_vs_megatron"]
     assert gap["steps"] == steps and gap["max_rel_diff"] <= 1e-5, gap
+
+
+@pytest.fixture
+def guard_log(caplog):
+    """caplog for the "megatron_patches" logger, also after an earlier test in this process ran
+    runtime.install(), which stops that logger from propagating to the root logger."""
+    logger = logging.getLogger("megatron_patches")
+    propagate, logger.propagate = logger.propagate, False
+    logger.addHandler(caplog.handler)  # exactly one way in, whatever ran before
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.propagate = propagate
 
 
 @pytest.fixture

@@ -121,7 +121,7 @@ def make_checkpoint(root, step, marker_bytes):
     return str(path)
 
 
-def test_unreadable_markers_are_passed_over_with_a_warning(tmp_path, caplog):
+def test_unreadable_markers_are_passed_over_with_a_warning(tmp_path, guard_log):
     root = tmp_path / "ckpt"
     good = make_checkpoint(root, 4, json.dumps({"step": 4, "healthy": True}).encode())
     bad = {
@@ -135,10 +135,10 @@ def test_unreadable_markers_are_passed_over_with_a_warning(tmp_path, caplog):
     for step, content in bad.items():
         make_checkpoint(root, step, content)
     os.makedirs(root / "iter_0000032" / checkpoint.MARKER)  # a directory where the marker should be
-    with caplog.at_level(logging.WARNING, logger="megatron_patches"):
+    with guard_log.at_level(logging.WARNING, logger="megatron_patches"):
         assert checkpoint.list_checkpoints(str(root)) == [(4, good, True)]
         assert checkpoint.newest_healthy(str(root)) == (4, good)
-    warned = [r.getMessage() for r in caplog.records if r.name == "megatron_patches"]
+    warned = [r.getMessage() for r in guard_log.records if r.name == "megatron_patches"]
     for step in bad:
         assert any(f"iter_{step:07d}" in message and "passed over" in message for message in warned), step
 

@@ -42,21 +42,21 @@ def fill(directory, leave_bytes):
         handle.write(b"\0" * max(free - leave_bytes, 0))
 
 
-def warnings_about(caplog, path):
-    return [r.getMessage() for r in caplog.records if r.name == "megatron_patches" and str(path) in r.getMessage()]
+def warnings_about(log, path):
+    return [r.getMessage() for r in log.records if r.name == "megatron_patches" and str(path) in r.getMessage()]
 
 
 # --- JsonlWriter ------------------------------------------------------------------------
 
 
-def test_failed_writes_are_counted_warned_rate_limited_and_never_raise(tmp_path, caplog):
+def test_failed_writes_are_counted_warned_rate_limited_and_never_raise(tmp_path, guard_log):
     blocker = tmp_path / "reports"
     blocker.write_text("a file where the report directory should be")
     writer = JsonlWriter(str(blocker / INCIDENTS_FILE), warn_every=3)
-    with caplog.at_level(logging.WARNING, logger="megatron_patches"):
+    with guard_log.at_level(logging.WARNING, logger="megatron_patches"):
         assert [writer.write({"n": i}) for i in range(7)] == [False] * 7
     assert writer.lost_writes == 7
-    warned = warnings_about(caplog, blocker / INCIDENTS_FILE)
+    warned = warnings_about(guard_log, blocker / INCIDENTS_FILE)
     assert len(warned) == 3  # the 1st, 4th and 7th loss
     assert f"File exists: '{blocker}'" in warned[0] and "1 record(s) lost" in warned[0] and "7 record(s) lost" in warned[2]
     # The obstacle removed, writing resumes by itself.
@@ -65,14 +65,14 @@ def test_failed_writes_are_counted_warned_rate_limited_and_never_raise(tmp_path,
     assert [json.loads(line) for line in (blocker / INCIDENTS_FILE).read_text().splitlines()] == [{"n": 7}]
 
 
-def test_warnings_repeat_after_the_interval(tmp_path, caplog):
+def test_warnings_repeat_after_the_interval(tmp_path, guard_log):
     blocker = tmp_path / "reports"
     blocker.write_text("")
     writer = JsonlWriter(str(blocker / INCIDENTS_FILE), warn_every=1000, warn_interval_s=0.0)
-    with caplog.at_level(logging.WARNING, logger="megatron_patches"):
+    with guard_log.at_level(logging.WARNING, logger="megatron_patches"):
         for i in range(3):
             writer.write({"n": i})
-    assert len(warnings_about(caplog, blocker)) == 3
+    assert len(warnings_about(guard_log, blocker)) == 3
 
 
 def test_strict_writer_raises_for_callers_that_report_failures_themselves(tmp_path):
@@ -88,15 +88,15 @@ def test_a_non_finite_number_in_a_record_is_written_as_null(tmp_path):
     assert json.loads((tmp_path / INCIDENTS_FILE).read_text()) == {"norm": None, "nested": [None, 1.5]}
 
 
-def test_disk_full_mid_line_leaves_no_torn_line(small_tmpfs, caplog):
+def test_disk_full_mid_line_leaves_no_torn_line(small_tmpfs, guard_log):
     path = small_tmpfs / INCIDENTS_FILE
     writer = JsonlWriter(str(path))
     assert writer.write({"n": 0})
     fill(small_tmpfs, 4096)  # the page the first line is on, and one more
-    with caplog.at_level(logging.WARNING, logger="megatron_patches"):
+    with guard_log.at_level(logging.WARNING, logger="megatron_patches"):
         assert writer.write({"n": 1, "pad": "x" * 20000}) is False  # more than is free
     assert writer.lost_writes == 1
-    assert any("No space left on device" in m for m in warnings_about(caplog, path))
+    assert any("No space left on device" in m for m in warnings_about(guard_log, path))
     os.unlink(small_tmpfs / "ballast")
     assert writer.write({"n": 2})
     assert [json.loads(line)["n"] for line in path.read_text().splitlines()] == [0, 2]
