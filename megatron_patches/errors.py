@@ -11,3 +11,7 @@ class ConfigError(UserError):
 
 class UnsupportedVersionError(UserError):
     """The installed megatron-core is outside the range a patch target supports."""
+
+
+class UnsupportedConfig(UserError):
+    """A training configuration the guard cannot check yet; the message names the flag."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import locate
+from . import locate, variants
 from .collectives import collective_device
 
 
@@ -69,6 +69,7 @@ def build_entries(optimizer: Any, model_chunks: list) -> tuple[list[Entry], int]
     expert_dp = ps.get_expert_data_parallel_world_size() if ps and hasattr(ps, "get_expert_data_parallel_world_size") else 1
     entries = []
     for leaf in leaves(optimizer):
+        variants.refuse_optimizer(leaf)  # a variant param_pairs would misread stops the job here
         # Distributed-optimizer shards are held once per optimizer instance (usually one).
         instances = int(getattr(getattr(leaf, "ddp_config", None), "num_distributed_optimizer_instances", 1) or 1)
         for index, (main, model, shard) in enumerate(param_pairs(leaf)):

@@ -31,6 +31,7 @@ Recovery protocol for Megatron-LM (no in-process executor: the loop cannot be re
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import json
 import logging
@@ -95,11 +96,13 @@ def state_file(directory: str, rank: int) -> str:
     return os.path.join(directory, STATE_DIR, f"rank_{rank:05d}.json")
 
 
-def write_marker(directory: str, iteration: int, healthy: bool, incidents: int, lr_scale: float = 1.0) -> None:
+def write_marker(directory: str, iteration: int, healthy: bool, incidents: int, lr_scale: float = 1.0,
+                 **extra: Any) -> None:
     """``megatron_patches.json`` in a Megatron-LM ``iter_N`` directory (atomic). ``lr_scale``: the
-    ledger's learning-rate scale the checkpoint's param groups were saved with."""
+    ledger's learning-rate scale the checkpoint's param groups were saved with; ``extra``: more
+    fields (``rerun``: why Megatron's rerun machine saved it)."""
     checkpoint.write_marker(directory, iteration, healthy, format="megatron-lm", incidents=incidents,
-                            lr_scale=lr_scale)
+                            lr_scale=lr_scale, **extra)
 
 
 def saved_lr_scale(root: str, iteration: int) -> float:
@@ -146,6 +149,9 @@ class MegatronLMSession:
         self._first_step = True
         self._incidents_at_save = 0
         self._checked_before = 0
+        self._pending_markers: list = []
+        """(directory, iteration, healthy, marker fields) of async saves not finalized yet."""
+        self._non_persistent_type: Optional[str] = None
 
     # -- before the checkpoint load ------------------------------------------------------------
 
@@ -155,6 +161,7 @@ class MegatronLMSession:
         if self.restart is not None:
             return
         args = get_args()
+        _refuse_unsupported(args, optimizer)
         self._advise(args)
         self.root = args.save or args.load
         if self.root is None:
@@ -165,6 +172,7 @@ class MegatronLMSession:
 
         self.restart = ExitAndRestart(self.monitor, self.root)
         self.monitor.listeners.append(self._on_decision)
+        self.monitor.on_exit.insert(0, self._finalize_saves)  # before the ledger and the exit
         self.monitor.on_exit.append(self._on_exit)  # after ExitAndRestart's: the ledger is written
         ledger = self.restart.ledger
         skips = skip_iterations(ledger)
@@ -232,6 +240,13 @@ class MegatronLMSession:
             args.load = self.root
         args.ckpt_step = target
         self._resume_from = target
+        if getattr(args, "non_persistent_ckpt_type", None):
+            # Megatron loads a newer non-persistent checkpoint in preference to --ckpt-step; it is
+            # not marked, so not a rollback target: off for this load, back after it.
+            self._non_persistent_type = args.non_persistent_ckpt_type
+            args.non_persistent_ckpt_type = None
+            _warn0("rollback: non-persistent (%s) checkpoints are not loaded on this restart",
+                   self._non_persistent_type)
         _warn0("rollback requested at iteration %s: loading healthy checkpoint iteration %d "
                "from %s (tracker: %s)", request.get("iteration", request.get("from_step")),
                target, self.root, read_tracker(self.root))
@@ -242,6 +257,7 @@ class MegatronLMSession:
         from megatron.training import get_args
 
         args = get_args()
+        self._write_finalized_markers()
         iteration = int(args.curr_iteration) + 1  # as Megatron logs it
         if self._first_step:
             self._first_step = False
@@ -252,6 +268,8 @@ class MegatronLMSession:
         self._checked_before = self.monitor.counters["checked_steps"]
 
     def _after_load(self, args: Any, optimizer: Any, scheduler: Any) -> None:
+        if self._non_persistent_type is not None:
+            args.non_persistent_ckpt_type, self._non_persistent_type = self._non_persistent_type, None
         self._load_state(args.load, int(args.iteration))
         self._incidents_at_save = self.monitor.counters["incidents"]
         if self._lr_bounds:
@@ -269,8 +287,10 @@ class MegatronLMSession:
         if self._resume_from is not None and self.restart is not None:
             ledger = self.restart.ledger
             if int(args.iteration) != self._resume_from:
-                _warn0("asked to resume from iteration %d, Megatron loaded %s",
-                       self._resume_from, args.iteration)
+                if _rank() == 0:
+                    log.error("rollback asked to resume from healthy checkpoint iteration %d, but "
+                              "Megatron loaded iteration %s; stopping", self._resume_from, args.iteration)
+                self.monitor.exit(EXIT_CRITICAL)
             ledger.rollback_requested = None
             ledger.events.append({"resumed_from": int(args.iteration), "lr_scale": ledger.lr_scale,
                                   "iterations_to_skip": list(args.iterations_to_skip or [])})
@@ -313,13 +333,44 @@ class MegatronLMSession:
             return
         incidents = self.monitor.counters["incidents"]
         healthy = incidents == self._incidents_at_save and checkpoint.params_finite(model)
+        rerun = _rerun_checkpoint()
         self._incidents_at_save = incidents
         directory = checkpoint.checkpoint_dir(args.save, int(iteration))
         self._save_state(directory)
-        if _rank() == 0 and os.path.isdir(directory):
-            lr_scale = self.restart.ledger.lr_scale if self.restart is not None else 1.0
-            write_marker(directory, int(iteration), healthy, incidents, lr_scale)
-            log.info("checkpoint iteration %d marked %s", iteration, "healthy" if healthy else "NOT healthy")
+        if _rank() != 0 or not os.path.isdir(directory):
+            return
+        lr_scale = self.restart.ledger.lr_scale if self.restart is not None else 1.0
+        fields = {"incidents": incidents, "lr_scale": lr_scale, **({"rerun": rerun} if rerun else {})}
+        self._pending_markers.append((directory, int(iteration), healthy and rerun is None, fields))
+        if getattr(args, "async_save", False) and not _async_saves_finalized():
+            log.info("checkpoint iteration %d: marked once its async save is finalized", iteration)
+            if len(self._pending_markers) == 1:
+                atexit.register(self._write_finalized_markers)
+        self._write_finalized_markers()
+
+    def _write_finalized_markers(self) -> None:
+        """The markers of saves now complete (all, unless an async save is still pending)."""
+        if not self._pending_markers or not _async_saves_finalized():
+            return
+        for directory, iteration, healthy, fields in self._pending_markers:
+            if os.path.isdir(directory):
+                write_marker(directory, iteration, healthy, **fields)
+                log.info("checkpoint iteration %d marked %s%s", iteration, "healthy" if healthy else "NOT healthy",
+                         f" ({fields['rerun']})" if fields.get("rerun") else "")
+        self._pending_markers = []
+
+    def _finalize_saves(self, code: int) -> None:
+        """Before any exit of the guard: finish pending async saves (every rank takes part, as
+        every rank reaches the exit from the same decision), then mark them."""
+        from megatron.training import get_args
+
+        if getattr(get_args(), "async_save", False):
+            try:
+                from megatron.training.async_utils import maybe_finalize_async_save
+            except ImportError:
+                from megatron.training.training import maybe_finalize_async_save
+            maybe_finalize_async_save(blocking=True)
+        self._write_finalized_markers()
 
     def _save_state(self, directory: str) -> None:
         """This rank's detector baselines and counters beside the checkpoint it belongs to."""
@@ -366,6 +417,49 @@ class MegatronLMSession:
         log.warning("ledger %s: rollback requested at iteration %d; a restart skips iterations %s "
                     "and scales the lr to %.3g of the original", ledger.path(self.root),
                     self.monitor.step, steps, ledger.lr_scale)
+
+
+def _async_saves_finalized() -> bool:
+    """True when no async checkpoint save of this process is still unfinalized."""
+    try:
+        from megatron.training import async_utils
+    except ImportError:
+        return True
+    check = getattr(async_utils, "is_empty_async_queue", None)
+    return True if check is None else bool(check())
+
+
+def _rerun_checkpoint() -> Optional[str]:
+    """Why the save under way is Megatron's rerun/fault checkpoint (its RerunStateMachine is
+    mid-diagnosis and exits 16/17 next), or None for an ordinary save."""
+    try:
+        from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
+    except ImportError:
+        return None
+    state = getattr(get_rerun_state_machine(), "state", RerunState.NOT_RUNNING_YET)
+    if state == RerunState.NOT_RUNNING_YET:
+        return None
+    return f"saved by Megatron's rerun state machine in state {state.name}"
+
+
+def _refuse_unsupported(args: Any, optimizer: Any) -> None:
+    """Stop every rank with exit code 2 and one line (rank 0) when the job uses a variant the
+    guard does not check yet (:mod:`megatron_patches.variants`): never run it unchecked."""
+    from .. import variants
+    from ..errors import UnsupportedConfig
+    from ..optimizer_params import leaves
+
+    from .mindspeed import refuse_unchecked_paths
+
+    try:
+        variants.refuse_args(args)
+        refuse_unchecked_paths(args)  # MindSpeed's quantized and LayerZeRO steps skip prepare_grads
+        for leaf in leaves(optimizer):
+            variants.refuse_optimizer(leaf)
+    except UnsupportedConfig as exc:
+        if _rank() == 0:
+            log.error("%s", exc)
+        raise SystemExit(variants.EXIT_UNSUPPORTED) from None
 
 
 def _group_key(group: dict) -> tuple:

@@ -1,0 +1,83 @@
+"""Megatron configurations the guard does not check yet, refused at start in one line.
+
+A variant the guard cannot read correctly must stop the job before the first step, never leave
+its gradients silently unchecked. Two places ask, so that both ways in are covered:
+
+- :func:`refuse_args`: Megatron-LM's parsed arguments, before the checkpoint load
+  (:mod:`megatron_patches.integrations.megatron_lm`);
+- :func:`refuse_optimizer`: the optimizer objects themselves, when the guard first pairs
+  parameters with their gradients (:func:`megatron_patches.optimizer_params.build_entries`),
+  for users who build megatron-core optimizers without Megatron-LM's argument parser.
+
+Checked and tested (not refused): FP32, Float16 and distributed optimizers (``--bf16``/``--fp16``,
+``--use-distributed-optimizer``, ``--overlap-grad-reduce``), tensor and pipeline parallel, and
+interleaved (virtual) pipelines, MTP.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .errors import UnsupportedConfig
+
+EXIT_UNSUPPORTED = 2
+"""Exit code of a job refused at start (a usage error, like argparse's)."""
+
+
+def _unsupported(flag: str, why: str) -> UnsupportedConfig:
+    return UnsupportedConfig(
+        f"{flag} is not supported by megatron_patches yet ({why}); it stops the job rather than "
+        f"guard it wrongly: run without {flag}, or without the guard")
+
+
+def refuse_args(args: Any) -> None:
+    """Raise :class:`UnsupportedConfig` naming the first Megatron-LM flag in ``args`` whose
+    gradients the guard does not check yet."""
+    problem = unsupported_flag(args)
+    if problem is not None:
+        raise _unsupported(*problem)
+
+
+def unsupported_flag(args: Any) -> Optional[tuple[str, str]]:
+    """(flag, why) for the first unsupported variant in Megatron-LM's ``args``, or None."""
+    on = lambda name: bool(getattr(args, name, False))  # noqa: E731
+    size = lambda name: int(getattr(args, name, None) or 1)  # noqa: E731
+    if on("optimizer_cpu_offload"):
+        return "--optimizer-cpu-offload", "HybridDeviceOptimizer steps CPU copies the guard does not see"
+    if on("use_precision_aware_optimizer"):
+        return ("--use-precision-aware-optimizer",
+                "the gradient is the shards' decoupled_grad, not yet paired with its parameter")
+    if on("use_megatron_fsdp") or on("use_custom_fsdp"):
+        flag = "--use-megatron-fsdp" if on("use_megatron_fsdp") else "--use-custom-fsdp"
+        return flag, "DTensor gradient shards are not read yet"
+    if on("use_torch_fsdp2"):
+        return "--use-torch-fsdp2", "DTensor gradient shards are not read yet"
+    if size("expert_model_parallel_size") > 1:
+        return ("--expert-model-parallel-size",
+                "with EP > 1 one fault reaches expert gradients on several ranks: origins are miscounted")
+    if size("context_parallel_size") > 1:
+        return "--context-parallel-size", "not yet tested with the guard (needs Transformer Engine attention)"
+    return None
+
+
+def refuse_optimizer(leaf: Any) -> None:
+    """Raise :class:`UnsupportedConfig` when a megatron-core leaf optimizer is a variant whose
+    gradients :func:`~megatron_patches.optimizer_params.param_pairs` would miss or misread."""
+    inner = getattr(leaf, "optimizer", None)
+    if type(inner).__name__ == "HybridDeviceOptimizer" or type(leaf).__name__ == "HybridDeviceOptimizer":
+        raise _unsupported("--optimizer-cpu-offload", "HybridDeviceOptimizer steps CPU copies the guard does not see")
+    config = getattr(leaf, "config", None)
+    if getattr(config, "use_precision_aware_optimizer", False):
+        raise _unsupported("--use-precision-aware-optimizer",
+                           "the gradient is the shards' decoupled_grad, not yet paired with its parameter")
+    ddp = getattr(leaf, "ddp_config", None)
+    if getattr(ddp, "use_megatron_fsdp", False) or getattr(ddp, "use_custom_fsdp", False):
+        raise _unsupported("--use-megatron-fsdp", "DTensor gradient shards are not read yet")
+    for group in getattr(leaf, "shard_fp32_from_float16_groups", None) or []:
+        if any(p is None for p in group):
+            raise _unsupported("--use-precision-aware-optimizer",
+                               "the distributed optimizer holds no fp32 shards to pair with")
+    for group in getattr(inner, "param_groups", None) or []:
+        for p in group["params"]:
+            if type(p).__name__ == "DTensor" or type(getattr(p, "grad", None)).__name__ == "DTensor":
+                raise _unsupported("--use-torch-fsdp2", "DTensor gradient shards are not read yet")

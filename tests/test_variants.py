@@ -1,0 +1,184 @@
+"""Optimizer and parallelism variants: each one checked, or refused at start in one line.
+
+The refusal functions are tested here directly (fast); the packaged Megatron-LM loop tests in
+tests/test_megatron_lm.py run real jobs that are refused, or checked (interleaved pipeline).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_patches import variants
+from megatron_patches.errors import UnsupportedConfig, UserError
+
+
+def megatron_args(**flags) -> SimpleNamespace:
+    """The attributes of Megatron-LM's parsed arguments the refusal reads, stock values."""
+    stock = dict(use_precision_aware_optimizer=False, optimizer_cpu_offload=False, use_megatron_fsdp=False,
+                 use_torch_fsdp2=False, expert_model_parallel_size=1, context_parallel_size=1,
+                 virtual_pipeline_model_parallel_size=None, use_distributed_optimizer=False)
+    return SimpleNamespace(**{**stock, **flags})
+
+
+@pytest.mark.parametrize("flags, flag", [
+    ({"use_precision_aware_optimizer": True, "use_distributed_optimizer": True}, "--use-precision-aware-optimizer"),
+    ({"optimizer_cpu_offload": True, "use_precision_aware_optimizer": True}, "--optimizer-cpu-offload"),
+    ({"use_megatron_fsdp": True}, "--use-megatron-fsdp"),
+    ({"use_torch_fsdp2": True}, "--use-torch-fsdp2"),
+    ({"expert_model_parallel_size": 2}, "--expert-model-parallel-size"),
+    ({"context_parallel_size": 2}, "--context-parallel-size"),
+])
+def test_each_unchecked_variant_is_refused_in_one_line_naming_its_flag(flags, flag):
+    with pytest.raises(UnsupportedConfig) as caught:
+        variants.refuse_args(megatron_args(**flags))
+    message = str(caught.value)
+    assert isinstance(caught.value, UserError) and "\n" not in message
+    assert message.startswith(f"{flag} is not supported by megatron_patches yet")
+
+
+@pytest.mark.parametrize("flags", [
+    {}, {"use_distributed_optimizer": True}, {"virtual_pipeline_model_parallel_size": 2},
+    {"expert_model_parallel_size": None, "context_parallel_size": None},  # argparse defaults of old lines
+])
+def test_checked_variants_pass(flags):
+    variants.refuse_args(megatron_args(**flags))
+
+
+def test_precision_aware_distributed_optimizer_is_refused_from_the_objects_fake_leaf():
+    # Fake leaf: megatron-core's precision-aware optimizer needs Transformer Engine's FusedAdam,
+    # absent on CPU. Its distributed optimizer holds None where the fp32 shards would be.
+    leaf = SimpleNamespace(optimizer=torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1),
+                           config=SimpleNamespace(use_precision_aware_optimizer=False),
+                           shard_fp32_from_float16_groups=[[None]])
+    with pytest.raises(UnsupportedConfig, match="^--use-precision-aware-optimizer "):
+        variants.refuse_optimizer(leaf)
+    leaf.shard_fp32_from_float16_groups = [[torch.ones(2)]]
+    leaf.config.use_precision_aware_optimizer = True
+    with pytest.raises(UnsupportedConfig, match="^--use-precision-aware-optimizer "):
+        variants.refuse_optimizer(leaf)
+
+
+def test_megatron_fsdp_and_cpu_offload_are_refused_from_the_objects_fake_leaf():
+    # Fake leaves: Megatron-FSDP needs CUDA; HybridDeviceOptimizer is named by its class.
+    params = [torch.nn.Parameter(torch.ones(2))]
+    fsdp = SimpleNamespace(optimizer=torch.optim.SGD(params, lr=0.1), config=None,
+                           ddp_config=SimpleNamespace(use_megatron_fsdp=True))
+    with pytest.raises(UnsupportedConfig, match="^--use-megatron-fsdp "):
+        variants.refuse_optimizer(fsdp)
+    HybridDeviceOptimizer = type("HybridDeviceOptimizer", (), {"param_groups": []})
+    with pytest.raises(UnsupportedConfig, match="^--optimizer-cpu-offload "):
+        variants.refuse_optimizer(SimpleNamespace(optimizer=HybridDeviceOptimizer(), config=None))
+
+
+def test_an_fp32_optimizer_over_plain_tensors_is_checked():
+    leaf = SimpleNamespace(optimizer=torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1), config=None)
+    variants.refuse_optimizer(leaf)
+
+
+def test_torch_fsdp2_dtensor_parameters_are_refused():
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    from torch.distributed.tensor import DTensor
+
+    fake_dtensor = type("DTensor", (torch.nn.Parameter,), {})  # the class name is what is read
+    assert DTensor.__name__ == fake_dtensor.__name__
+    leaf = SimpleNamespace(optimizer=SimpleNamespace(param_groups=[{"params": [fake_dtensor(torch.ones(2))]}]),
+                           config=None)
+    with pytest.raises(UnsupportedConfig, match="^--use-torch-fsdp2 "):
+        variants.refuse_optimizer(leaf)
+
+
+def test_megatrons_rerun_checkpoint_is_told_apart_from_an_ordinary_save():
+    rsm = pytest.importorskip("megatron.core.rerun_state_machine")
+    from megatron_patches.integrations import megatron_lm
+
+    machine = rsm.get_rerun_state_machine()
+    before = machine.state
+    try:
+        machine.state = rsm.RerunState.NOT_RUNNING_YET
+        assert megatron_lm._rerun_checkpoint() is None
+        machine.state = rsm.RerunState.WILL_RERUN_FROM_CHECKPOINT
+        assert "WILL_RERUN_FROM_CHECKPOINT" in megatron_lm._rerun_checkpoint()
+    finally:
+        machine.state = before
+
+
+# --- checkpoint kinds (the session's save hooks, on a real megatron.training) -------------------
+
+
+@pytest.fixture
+def megatron_training(monkeypatch, tmp_path):
+    """megatron.training's get_args pointed at a namespace with --save (0.17+ ships the package)."""
+    training = pytest.importorskip("megatron.training", reason="megatron-core ships megatron/training from 0.17 on")
+    args = SimpleNamespace(save=str(tmp_path), async_save=False)
+    monkeypatch.setattr(training, "get_args", lambda: args)
+    return args
+
+
+def _session():
+    from megatron_patches.integrations import megatron_lm
+
+    return megatron_lm.MegatronLMSession(SimpleNamespace(counters={"incidents": 0}, state_dict=dict))
+
+
+def _marker(root, iteration):
+    from megatron_patches import checkpoint
+
+    path = os.path.join(checkpoint.checkpoint_dir(str(root), iteration), checkpoint.MARKER)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def _saved(root, iteration):
+    from megatron_patches import checkpoint
+
+    os.makedirs(checkpoint.checkpoint_dir(str(root), iteration))
+
+
+def test_megatrons_rerun_checkpoint_is_marked_not_healthy(megatron_training, tmp_path):
+    rsm = pytest.importorskip("megatron.core.rerun_state_machine")
+    machine, session = rsm.get_rerun_state_machine(), _session()
+    before = machine.state
+    _saved(tmp_path, 2)
+    _saved(tmp_path, 3)
+    try:
+        session.after_save(2, [torch.nn.Linear(2, 2)], non_persistent=False)
+        machine.state = rsm.RerunState.WILL_RERUN_FROM_CHECKPOINT  # saved before Megatron exits 17
+        session.after_save(3, [torch.nn.Linear(2, 2)], non_persistent=False)
+    finally:
+        machine.state = before
+    assert _marker(tmp_path, 2)["healthy"] is True
+    assert _marker(tmp_path, 3)["healthy"] is False and "rerun state machine" in _marker(tmp_path, 3)["rerun"]
+
+
+def test_async_save_is_marked_only_once_finalized_and_finalized_before_the_guards_exit_no_async_worker_on_cpu(
+        megatron_training, monkeypatch, tmp_path):
+    # Megatron's async worker needs CUDA (0.19 disables --async-save without the persistent
+    # worker, which sets a CUDA device): its queue is replaced by a flag here.
+    from megatron.training import async_utils
+
+    pending = {"saves": 1}
+    finalized = []
+    monkeypatch.setattr(async_utils, "is_empty_async_queue", lambda: pending["saves"] == 0)
+
+    def finalize(blocking=False, terminate=False):
+        finalized.append(blocking)
+        pending["saves"] = 0
+
+    monkeypatch.setattr(async_utils, "maybe_finalize_async_save", finalize)
+    megatron_training.async_save = True
+    session = _session()
+    _saved(tmp_path, 4)
+    session.after_save(4, [torch.nn.Linear(2, 2)], non_persistent=False)
+    assert _marker(tmp_path, 4) is None  # the save is still being written
+    session._finalize_saves(84)  # what the guard's exit runs first (monitor.on_exit)
+    assert finalized == [True]
+    assert _marker(tmp_path, 4)["healthy"] is True
