@@ -153,7 +153,8 @@ def _overflow_mode(configured: str, torch_npu: Any) -> tuple[str, str]:
     if probe is None:
         return "warn", "auto, but this torch_npu cannot say (no is_support_inf_nan); set overflow_mode explicitly"
     try:
-        return "ok", "auto -> " + ("ieee (INF_NAN mode)" if probe() else "saturation (the NPU clamps overflow)")
+        return "ok", ("auto -> " + ("ieee (INF_NAN mode)" if probe() else "saturation (the NPU clamps overflow)")
+                      + " on this NPU; a job asks at its first check, on each rank's own device")
     except Exception as exc:
         return "warn", f"auto, but torch_npu's is_support_inf_nan failed ({_exc(exc)}); set overflow_mode explicitly"
 

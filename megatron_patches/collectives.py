@@ -1,8 +1,11 @@
-"""The few collectives the guard uses beyond its one all-reduce, all on the slow path."""
+"""The few collectives the guard uses beyond its one all-reduce, all on the slow path.
+
+Tensors sent are float32 or integer, never float64: MindSpeed's float64 ``all_reduce`` shim
+reduces a float32 copy and does not write the result back (docs/ascend.md)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -33,3 +36,18 @@ def broadcast_from_zero(obj: Any) -> Any:
     box = [obj]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def all_gather_floats(values: list[float], device: Optional[torch.device] = None) -> list[list[float]]:
+    """Every rank's ``values`` (the same length on all), as a list by rank, at float64 precision
+    to about 2**-48 relative: each value travels as two float32s, its float32 rounding and the
+    remainder, in one ``all_gather`` (no float64 tensor)."""
+    high = torch.tensor(values, dtype=torch.float32)
+    low = (torch.tensor(values, dtype=torch.float64) - high.double()).float()
+    mine = torch.stack([high, low]).to(device or collective_device())
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        every = [mine]
+    else:
+        every = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(every, mine)
+    return [[h + l for h, l in zip(*t.double().tolist())] for t in every]

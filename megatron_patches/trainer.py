@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from .collectives import all_gather_floats
 from .data import Sampler, TinyCorpus
 from .errors import UserError
 
@@ -242,11 +243,12 @@ class TinyTrainer:
                         healthy=healthy, keep=keep)
 
     def _mean_loss(self, losses: list[dict]) -> float:
-        """Mean loss over the last pipeline stage's ranks, known on every rank."""
+        """Mean loss over the last pipeline stage's ranks, known on every rank (float32 tensors on
+        the wire: :func:`~.collectives.all_gather_floats`; summed in rank order, the same everywhere)."""
         mean = sum(float(d["lm loss"]) for d in losses) / len(losses) if losses else 0.0
-        total = torch.tensor([mean, 1.0 if losses else 0.0], dtype=torch.float64, device=self._collective)
-        torch.distributed.all_reduce(total)
-        loss_sum, count = total.tolist()
+        every = all_gather_floats([mean, 1.0 if losses else 0.0], self._collective)
+        loss_sum = sum(m for m, _ in every)
+        count = sum(c for _, c in every)
         return loss_sum / count if count > 0 else float("nan")
 
     # --- loop ----------------------------------------------------------------------------

@@ -151,6 +151,290 @@ def test_without_mindspeed_nothing_happens():
     assert not undo_prepare_on_skip(Chain())
 
 
+# --- install order and survival beside MindSpeed's patch manager (in this process) ---------------
+# mindspeed/patch_utils.py is plain Python: its MindSpeedPatchesManager is imported from MINDSPEED_DIR
+# and run against the installed megatron-core. The functions it patches in with are the tests' own
+# (MindSpeed's real replacements need torch_npu); the capture, replacement, removal and reapplication
+# are MindSpeed's.
+
+_MPO = "megatron.core.optimizer.optimizer.MixedPrecisionOptimizer.prepare_grads"
+
+
+@pytest.fixture
+def ms_manager(mindspeed_dir, monkeypatch):
+    """A function importing MindSpeed's patch manager (sys.path holds MINDSPEED_DIR already, so that
+    ``import mindspeed`` works as in a job); afterwards its patches, ours and its modules are gone."""
+    from megatron_patches import patching, runtime
+    from megatron_patches.patching.registry import TARGETS
+
+    runtime.uninstall()
+    owners = [patching._resolve(t.module, t.qualname) for t in TARGETS]
+    before = [(owner, name, patching._current(owner, name)) for owner, name in owners]
+    monkeypatch.syspath_prepend(str(mindspeed_dir))
+    imported = []
+
+    def load():
+        from mindspeed.patch_utils import MindSpeedPatchesManager
+
+        imported.append(MindSpeedPatchesManager)
+        return MindSpeedPatchesManager
+
+    yield load
+    runtime.uninstall()
+    for manager in imported:
+        manager.remove_patches()
+        manager.patches_info.clear()
+    runtime.uninstall()
+    for owner, name, value in before:  # whatever the removals above put back
+        setattr(owner, name, value)
+    for name in [m for m in sys.modules if m == "mindspeed" or m.startswith("mindspeed.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def hook_calls(monkeypatch):
+    """Optimizers our prepare_grads hook saw (the hook's check itself needs a monitor)."""
+    from megatron_patches import hooks
+
+    seen = []
+    monkeypatch.setattr(hooks, "_checked_prepare", lambda instance, call: (seen.append(instance), call())[1])
+    return seen
+
+
+def _mpo_installed():
+    from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+
+    return MixedPrecisionOptimizer.__dict__["prepare_grads"]
+
+
+def _layers_of_ours(obj) -> int:
+    from megatron_patches import patching
+
+    count = 0
+    while obj is not None:
+        count += patching._our_wrapper(obj) is not None
+        obj = getattr(obj, "__wrapped__", None)
+    return count
+
+
+class _Optimizer:  # the instance our hook is handed; a ChainedOptimizer with no leaves
+    chained_optimizers: list = []
+
+
+def _prepare_grads_of(cls, optimizer):
+    """``optimizer.prepare_grads()`` with the method ``cls`` holds (bound as an instance would)."""
+    return cls.__dict__["prepare_grads"].__get__(optimizer, cls)()
+
+
+def _replacement_prepare_grads(self):  # stands for MindSpeed's replacement (e.g. reuse-fp32-param's)
+    return False
+
+
+@pytest.mark.mindspeed
+def test_guard_before_mindspeed_is_said_and_wrapped_again(ms_manager, hook_calls, caplog):
+    """Wrong order: our install names the order; MindSpeed's replacement of prepare_grads drops our
+    wrapper; the first call of one of ours says so and wraps the replacement, and the hook fires."""
+    import logging
+
+    from megatron.core.optimizer.optimizer import ChainedOptimizer, MixedPrecisionOptimizer
+
+    from megatron_patches import patching
+
+    with caplog.at_level(logging.WARNING, logger="megatron_patches"):
+        patching.install()
+    order = [r.message for r in caplog.records
+             if "mindspeed.megatron_adaptor before megatron_patches.apply" in r.message]
+    assert len(order) == 1, caplog.records
+
+    manager = ms_manager()  # imported after us, as an adaptor imported after megatron_patches.apply
+    manager.register_patch(_MPO, _replacement_prepare_grads)
+    manager.apply_patches()
+    assert _mpo_installed() is _replacement_prepare_grads
+    assert patching.replaced_targets() == [_MPO]
+
+    caplog.clear()
+    chained = _Optimizer()
+    with caplog.at_level(logging.WARNING, logger="megatron_patches"):
+        _prepare_grads_of(ChainedOptimizer, chained)  # any first call of ours checks
+    said = [r.message for r in caplog.records if "wrapped again" in r.message]
+    assert len(said) == 1 and "MixedPrecisionOptimizer.prepare_grads" in said[0] and "mindspeed" in said[0].lower()
+    assert patching.replaced_targets() == []
+    assert _mpo_installed().__wrapped__ is _replacement_prepare_grads
+    leaf = _Optimizer()
+    assert _prepare_grads_of(MixedPrecisionOptimizer, leaf) is False
+    assert hook_calls == [chained, leaf]
+
+
+@pytest.mark.mindspeed
+def test_repatch_keeps_the_guard(ms_manager, hook_calls, caplog):
+    """Documented order, then MindSpeed's repatch() (remove every patch, apply them again): its
+    replacement is put back over ours, and ours is wrapped around it again at once, said in one line."""
+    import logging
+
+    from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+
+    from megatron_patches import patching
+
+    manager = ms_manager()
+    manager.register_patch(_MPO, _replacement_prepare_grads)
+    manager.apply_patches()
+    with caplog.at_level(logging.WARNING, logger="megatron_patches"):
+        patching.install()
+    assert not [r for r in caplog.records if "megatron_adaptor" in r.message]
+    assert _mpo_installed().__wrapped__ is _replacement_prepare_grads
+
+    # what mindspeed.megatron_adaptor.repatch does through MindSpeedFeaturesManager
+    manager.remove_patches()
+    manager.register_patch(_MPO, _replacement_prepare_grads)
+    with caplog.at_level(logging.WARNING, logger="megatron_patches"):
+        manager.apply_patches()
+    said = [r.message for r in caplog.records if "wrapped again" in r.message]
+    assert len(said) == 1 and "repatch" in said[0], caplog.records
+    assert _layers_of_ours(_mpo_installed()) == 1 and _mpo_installed().__wrapped__ is _replacement_prepare_grads
+    leaf = _Optimizer()
+    assert _prepare_grads_of(MixedPrecisionOptimizer, leaf) is False and hook_calls == [leaf]
+    # Uninstalling restores MindSpeed's replacement, not ours and not Megatron's.
+    patching.uninstall()
+    assert _mpo_installed() is _replacement_prepare_grads
+
+
+@pytest.mark.mindspeed
+def test_our_wrapper_captured_through_getattr_is_recognised(ms_manager):
+    """MindSpeed captures our wrapper through getattr (a BoundFunctionWrapper) and puts that back when
+    it removes its patches: a second install wraps once, and uninstall restores Megatron's function."""
+    import functools
+
+    import wrapt
+
+    from megatron_patches import patching
+
+    original = _mpo_installed()
+    manager = ms_manager()
+    patching.install()
+
+    def prepare_grads_wrapper(fn):  # a MindSpeed-style wrapper patch (the name decides; @wraps as theirs)
+        @functools.wraps(fn)
+        def prepare_grads(self, *args, **kwargs):
+            return fn(self, *args, **kwargs)
+        return prepare_grads
+
+    manager.register_patch(_MPO, prepare_grads_wrapper)
+    manager.apply_patches()
+    captured = manager.patches_info[_MPO].orig_func
+    assert isinstance(captured, wrapt.BoundFunctionWrapper) and patching._our_wrapper(captured) is not None
+    patching.uninstall()  # MindSpeed's wrapper sits on ours: left in place, named
+    manager.remove_patches()  # puts the captured BoundFunctionWrapper back on the class
+    assert isinstance(_mpo_installed(), wrapt.BoundFunctionWrapper)
+
+    patching.install()
+    assert _layers_of_ours(_mpo_installed()) == 1 and _mpo_installed().__wrapped__ is original
+    patching.uninstall()
+    assert _mpo_installed() is original
+
+    patching.install()  # and uninstall directly over a put-back BoundFunctionWrapper of ours
+    manager.register_patch(_MPO, prepare_grads_wrapper)
+    manager.apply_patches()
+    manager.remove_patches()
+    patching.uninstall()
+    assert _mpo_installed() is original
+
+
+def test_copies_bound_in_listed_modules_are_wrapped(clean_patches, monkeypatch):
+    """An identity scan of the modules in BINDING_MODULES (here a stand-in module under the name of
+    MindSpeed-LLM's training module) reaches copies bound under any name, and uninstall undoes it."""
+    import importlib
+    import types
+
+    from megatron_patches import patching
+    from megatron_patches.integrations import mindspeed
+
+    fmg_module = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    original = fmg_module.finalize_model_grads
+    standin_llm_training = types.ModuleType(mindspeed.BINDING_MODULES[0])
+    standin_llm_training.finalize_model_grads = original
+    standin_llm_training.fmg = original
+    monkeypatch.setitem(sys.modules, mindspeed.BINDING_MODULES[0], standin_llm_training)
+    patching.install()
+    ours = fmg_module.finalize_model_grads
+    assert ours is not original and patching._our_wrapper(ours) is not None
+    assert standin_llm_training.finalize_model_grads is ours and standin_llm_training.fmg is ours
+    patching.uninstall()
+    assert standin_llm_training.finalize_model_grads is original and standin_llm_training.fmg is original
+
+
+@pytest.mark.parametrize("flag", ["use_quant_optimizer", "quant_states", "quant_grads", "layerzero"])
+def test_unchecked_optimizer_paths_are_refused_by_name(flag):
+    import argparse
+
+    from megatron_patches.errors import UnsupportedConfig
+    from megatron_patches.integrations.mindspeed import refuse_unchecked_paths
+
+    refuse_unchecked_paths(argparse.Namespace(use_quant_optimizer=False, quant_states=None, layerzero=False))
+    with pytest.raises(UnsupportedConfig, match=flag):
+        refuse_unchecked_paths(argparse.Namespace(**{flag: "fp8" if flag == "quant_states" else True}))
+
+
+def test_overflow_mode_is_asked_at_first_use_not_at_install(monkeypatch):
+    """torch_npu's query initialises the current device: nothing asks it when the guard is installed;
+    the first use asks it once (after Megatron's set_device in a job). The torch_npu here is a
+    stand-in with the one query (torch_npu is absent on this machine)."""
+    import types
+
+    from megatron_patches.config import Config
+    from megatron_patches.monitor import GradMonitor
+
+    asked = []
+    standin_torch_npu = types.ModuleType("torch_npu")
+    standin_torch_npu.npu = types.SimpleNamespace(utils=types.SimpleNamespace(
+        is_support_inf_nan=lambda: (asked.append(1), False)[1]))
+    monkeypatch.setitem(sys.modules, "torch_npu", standin_torch_npu)
+    monitor = GradMonitor(Config.from_dict({}))  # what import megatron_patches.apply makes
+    assert asked == []
+    assert monitor.overflow_mode == "saturation" and monitor.overflow_mode == "saturation"
+    assert asked == [1]
+    assert GradMonitor(Config.from_dict({"overflow_mode": "ieee"})).overflow_mode == "ieee" and asked == [1]
+
+
+def test_overflow_mode_without_torch_npu_is_ieee(monkeypatch):
+    from megatron_patches.config import Config
+    from megatron_patches.monitor import GradMonitor
+
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    assert GradMonitor(Config.from_dict({})).overflow_mode == "ieee"
+
+
+def _gather_on_rank(rank: int, port: int, out: str) -> None:
+    import torch
+
+    from megatron_patches.collectives import all_gather_floats
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    every = all_gather_floats([1.0 / 3 + rank, 1e-9 * (rank + 1)])
+    if rank == 0:
+        Path(out).write_text(json.dumps(every))
+    torch.distributed.destroy_process_group()
+
+
+def test_float_gather_keeps_float64_precision_in_float32_tensors(tmp_path):
+    """The guard sends no float64 tensor (MindSpeed's float64 all_reduce shim drops the result); the
+    harness's mean loss still arrives at float64 precision (to ~2**-48) on two gloo ranks."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "every.json"
+    mp.spawn(_gather_on_rank, args=(port, str(out)), nprocs=2)
+    every = json.loads(out.read_text())
+    expected = [[1.0 / 3, 1e-9], [1.0 / 3 + 1, 2e-9]]
+    for got, want in zip(every, expected):
+        assert got == pytest.approx(want, rel=2.0 ** -46, abs=0)
+        assert got[0] != torch.tensor(want[0], dtype=torch.float32).item()  # finer than float32
+
+
 # --- the scenario, run in a fresh process: python tests/test_mindspeed.py DIR KIND OUT RESULT -------
 
 

@@ -4,6 +4,13 @@ Wrap, don't replace: each target is wrapped with ``wrapt.FunctionWrapper`` aroun
 object taken from the owner's ``__dict__`` (so staticmethods, classmethods and subclasses keep
 working). Installing twice adds nothing; uninstalling restores only what is still ours and
 says who patched on top otherwise.
+
+Beside a patch manager that replaces functions after us (MindSpeed's, see
+:mod:`megatron_patches.integrations.mindspeed`), the first call of any of our wrappers checks
+that every target still calls the hooks and wraps again what was replaced, saying so in one line;
+MindSpeed's ``apply_patches`` (run again by its ``repatch()``) is followed by the same check.
+Copies of a target bound by name in the modules of :data:`~..integrations.mindspeed.BINDING_MODULES`
+are found by identity and wrapped too.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -18,6 +26,7 @@ import wrapt
 
 from .. import versions
 from ..errors import UnsupportedVersionError
+from ..integrations import mindspeed
 from .registry import MEGATRON_CORE_SUPPORTED, TARGETS, TRAINING_TARGETS, PatchTarget
 
 log = logging.getLogger("megatron_patches")
@@ -35,6 +44,8 @@ class _Installed:
 
 
 _installed: list[_Installed] = []
+_first_call_seen = False
+_unwatch: list[Any] = []
 
 
 def megatron_core_version() -> str:
@@ -66,11 +77,106 @@ def _resolve(module_name: str, qualname: str) -> tuple[Any, str]:
     return owner, name
 
 
+def _our_wrapper(obj: Any) -> Any:
+    """Our ``FunctionWrapper`` when ``obj`` is one, or a ``BoundFunctionWrapper`` made from one
+    (what ``getattr(cls, name)`` returns: MindSpeed's patch manager captures originals that way,
+    and puts that object back on the class when it removes its patches); else None."""
+    if isinstance(obj, wrapt.FunctionWrapper):
+        return obj if getattr(obj, "_self_megatron_patches", False) else None
+    if isinstance(obj, wrapt.BoundFunctionWrapper):
+        return _our_wrapper(getattr(obj, "_self_parent", None))
+    return None
+
+
 def _already_hooked(obj: Any) -> bool:
-    """True when the object already calls our hooks (source patch, or our own wrapper)."""
-    return bool(getattr(obj, _MARK, False)) or isinstance(obj, wrapt.FunctionWrapper) and getattr(
-        obj, "_self_megatron_patches", False
-    )
+    """True when the object already calls our hooks: a source patch, our own wrapper (bound or
+    not), or a decorator that keeps one of those in its ``__wrapped__`` chain."""
+    for _ in range(32):
+        if obj is None:
+            return False
+        if getattr(obj, _MARK, False) or _our_wrapper(obj) is not None:
+            return True
+        obj = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else getattr(obj, "__wrapped__", None)
+    return False
+
+
+def _current(owner: Any, name: str) -> Any:
+    return owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+
+
+def _wrap(target: PatchTarget, owner: Any, name: str, original: Any) -> Any:
+    wrapped = wrapt.FunctionWrapper(original, _checked(target.wrapper))
+    wrapped._self_megatron_patches = True
+    setattr(owner, name, wrapped)
+    _installed.append(_Installed(target, owner, name, original, wrapped))
+    return wrapped
+
+
+def _checked(wrapper: Any) -> Any:
+    """``wrapper`` preceded, on the first call of any of ours, by :func:`rewrap_replaced`."""
+    def call(wrapped, instance, args, kwargs):
+        global _first_call_seen
+        if not _first_call_seen:
+            _first_call_seen = True
+            _unwatch.extend(filter(None, [mindspeed.watch_patch_manager(_after_patch_manager)]))
+            rewrap_replaced("after megatron_patches.apply: " + mindspeed.ORDER_HINT)
+        return wrapper(wrapped, instance, args, kwargs)
+
+    call.__name__ = call.__qualname__ = getattr(wrapper, "__name__", "wrapper")
+    return call
+
+
+def _after_patch_manager() -> None:
+    rewrap_replaced("by MindSpeed's patch manager (apply_patches, e.g. from repatch())")
+
+
+def _where(item: _Installed) -> str:
+    owner = item.owner
+    if isinstance(owner, type):
+        return f"{owner.__module__}.{owner.__qualname__}.{item.name}"
+    return f"{getattr(owner, '__name__', owner)}.{item.name}"
+
+
+def replaced_targets() -> list[str]:
+    """Where a binding of ours no longer calls the hooks (``module.Class.name``), in install order."""
+    return [_where(item) for item in _installed if not _already_hooked(_current(item.owner, item.name))]
+
+
+def rewrap_replaced(when: str) -> list[str]:
+    """Wrap again every target replaced since we installed (one warning line naming them and
+    who replaced them); returns the dotted paths wrapped again."""
+    redone, by = [], set()
+    fresh: dict[int, Any] = {}
+    for item in list(_installed):
+        current = _current(item.owner, item.name)
+        if current is None or _already_hooked(current):
+            continue
+        by.add(getattr(current, "__module__", None) or type(current).__module__)
+        _installed.remove(item)
+        if id(current) in fresh:  # an alias bound to the same replacement: share its wrapper
+            setattr(item.owner, item.name, fresh[id(current)])
+            _installed.append(_Installed(item.target, item.owner, item.name, current, fresh[id(current)]))
+        else:
+            fresh[id(current)] = _wrap(item.target, item.owner, item.name, current)
+        redone.append(item.target.dotted)
+    if redone:
+        log.warning("%s replaced (by %s); wrapped again around the replacement (%s)",
+                    ", ".join(sorted(set(redone))), " ".join(sorted(b for b in by if b)) or "?", when)
+    return redone
+
+
+def _bind_copies(target: PatchTarget, original: Any, wrapped: Any) -> None:
+    """Rebind copies of ``original`` held, under any name, by the modules of BINDING_MODULES
+    that are imported (an identity scan of a few named modules, never all of sys.modules)."""
+    for module_name in mindspeed.BINDING_MODULES:
+        mod = sys.modules.get(module_name)
+        if mod is None:
+            continue
+        for attr, value in list(vars(mod).items()):
+            if value is original:
+                setattr(mod, attr, wrapped)
+                _installed.append(_Installed(target, mod, attr, original, wrapped))
+                log.info("%s: rebound %s.%s too", target.dotted, module_name, attr)
 
 
 def install(version: Optional[str] = None) -> list[str]:
@@ -78,6 +184,12 @@ def install(version: Optional[str] = None) -> list[str]:
     version = check_version(version=version)
     if _installed:
         return []
+    global _first_call_seen
+    _first_call_seen = False
+    hint = mindspeed.order_problem()
+    if hint:
+        log.warning("%s", hint)
+    _unwatch.extend(filter(None, [mindspeed.watch_patch_manager(_after_patch_manager)]))
     done = []
     for target in TARGETS + TRAINING_TARGETS:
         check_version(target.versions, version)
@@ -94,13 +206,13 @@ def install(version: Optional[str] = None) -> list[str]:
                         target.dotted, version)
             continue
         raw = original.__func__ if isinstance(original, (staticmethod, classmethod)) else original
-        if _already_hooked(raw):
+        leftover = _our_wrapper(raw)
+        if leftover is not None:  # ours from an earlier install, put back by another patcher
+            original = leftover.__wrapped__
+        elif _already_hooked(raw):
             log.info("%s already calls the hooks (source patch); left as is", target.dotted)
             continue
-        wrapped = wrapt.FunctionWrapper(original, target.wrapper)
-        wrapped._self_megatron_patches = True
-        setattr(owner, name, wrapped)
-        _installed.append(_Installed(target, owner, name, original, wrapped))
+        wrapped = _wrap(target, owner, name, original)
         for alias in target.aliases:
             try:
                 mod = importlib.import_module(alias)
@@ -111,18 +223,24 @@ def install(version: Optional[str] = None) -> list[str]:
             if getattr(mod, name, None) in (original, wrapped):
                 setattr(mod, name, wrapped)
                 _installed.append(_Installed(target, mod, name, original, wrapped))
+        _bind_copies(target, original, wrapped)
         log.info("patched %s (%s)", target.dotted, target.why)
         done.append(target.dotted)
     return done
 
 
 def uninstall() -> None:
-    """Restore every original that is still wrapped by us."""
+    """Restore every original that is still wrapped by us (bound through getattr or not)."""
+    while _unwatch:
+        _unwatch.pop()()
     while _installed:
         item = _installed.pop()
-        current = item.owner.__dict__.get(item.name) if isinstance(item.owner, type) else getattr(item.owner, item.name)
-        if current is item.wrapper:
+        current = _current(item.owner, item.name)
+        ours = _our_wrapper(current)
+        if current is item.wrapper or ours is item.wrapper:
             setattr(item.owner, item.name, item.original)
+        elif ours is not None:  # an earlier wrapper of ours that another patcher's removal put back
+            setattr(item.owner, item.name, ours.__wrapped__)
         else:
             log.warning(
                 "%s was patched again on top of ours (now %r); leaving it in place",
