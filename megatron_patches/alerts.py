@@ -5,7 +5,10 @@ line (every severity) and, for severities at or above ``alerts.min_severity``, p
 serialized record on a bounded queue; nothing else happens on the caller's thread. A daemon
 thread delivers each alert to every sink, each with its own timeout and bounded retries, so a
 slow or unreachable endpoint costs alerts, never training time. When the queue is full the
-oldest alert is dropped and counted. ``close(timeout)`` drains what it can before the deadline.
+oldest alert is dropped and counted. ``close()`` drains what is queued: it waits as long as the
+sinks' configured timeouts, retries and back-off pauses need for the alerts still to go (see
+:meth:`AlertDispatcher.needed_s`), at most :data:`EXIT_LIMIT_S`; an alert that did not leave by
+then is logged as an error with its step and sink.
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ from .report import diagnosis, headline
 log = logging.getLogger(__name__)
 
 _RANK = {"warning": 0, "error": 1, "critical": 2}
+
+EXIT_LIMIT_S = 60.0
+"""The longest ``close()`` waits for queued alerts when the job stops (``monitor.exit``, the end of
+training): the critical-stop alert is the one most worth sending, but a dead endpoint must not hold
+every rank at the final barrier. One default webhook (timeout 5 s, 2 retries, back-off 1 s) needs
+18 s."""
 
 
 class SinkError(Exception):
@@ -57,6 +66,8 @@ def webhook_body(fmt: str, record: dict) -> dict:
 class _Sink:
     name = "sink"
     retries = 0
+    timeout_s = 1.0
+    """The longest one attempt may take (a file append: about nothing)."""
 
     def send(self, payload: bytes, record: dict) -> None:
         raise NotImplementedError
@@ -99,7 +110,7 @@ class WebhookSink(_Sink):
     def __init__(self, index: int, config: WebhookConfig):
         host = urllib.parse.urlsplit(config.url).hostname or "?"
         self.name = f"webhook[{index}] {config.format} {host}"  # the path often holds a token
-        self.config, self.retries = config, config.retries
+        self.config, self.retries, self.timeout_s = config, config.retries, config.timeout_s
 
     def send(self, payload: bytes, record: dict) -> None:
         if self.config.format != "generic":
@@ -155,6 +166,7 @@ class AlertDispatcher:
         self._abort = threading.Event()
         self._closed = False
         self._thread: Optional[threading.Thread] = None
+        self._current: Optional[tuple[Any, str]] = None  # (step, sink name) being delivered now
         self._counts = {"sent": 0, "failed": 0, "dropped": 0}
         self._by_sink = {s.name: {"sent": 0, "failed": 0} for s in self.sinks}
 
@@ -205,12 +217,24 @@ class AlertDispatcher:
                 self._thread = thread
             self._cond.notify()
 
-    def close(self, timeout: float = 10.0) -> dict[str, Any]:
-        """Stop taking alerts and deliver what is queued until ``timeout`` seconds have passed."""
+    def needed_s(self) -> float:
+        """Seconds the alerts not yet delivered may take at worst: for each (the one in flight
+        included), every sink's attempts at their timeout plus the back-off pauses between them."""
+        per_alert = sum((sink.retries + 1) * sink.timeout_s + self.config.backoff_s * (2 ** sink.retries - 1)
+                        for sink in self.sinks)
+        with self._cond:
+            waiting = len(self._queue) + (self._current is not None)
+        return waiting * per_alert
+
+    def close(self, timeout: Optional[float] = None, limit: float = EXIT_LIMIT_S) -> dict[str, Any]:
+        """Stop taking alerts and deliver what is queued. ``timeout``: seconds to wait; default what
+        :meth:`needed_s` says (plus a second), at most ``limit``. What did not leave is logged."""
         with self._cond:
             self._closed = True
             self._cond.notify()
             thread = self._thread
+        if timeout is None:
+            timeout = min(self.needed_s() + 1.0, limit)
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():
@@ -219,9 +243,17 @@ class AlertDispatcher:
             left = len(self._queue)
             self._queue.clear()
             self._counts["dropped"] += left
+            current = self._current if thread is not None and thread.is_alive() else None
+        if current is not None:
+            log.error("alert for step %s not confirmed by %s within the %gs the exit waits for alerts; "
+                      "it may be lost (raise the limit or fix the endpoint)", current[0], current[1], timeout)
         if left:
-            log.warning("%d alert(s) not sent before the close deadline of %gs", left, timeout)
-        return self.stats
+            log.error("%d alert(s) not sent before the close deadline of %gs; they are lost", left, timeout)
+        stats = self.stats
+        if stats["sent"] or stats["failed"] or stats["dropped"]:
+            log.info("alerts at close: %d delivered, %d failed, %d dropped (deliveries per sink)",
+                     stats["sent"], stats["failed"], stats["dropped"])
+        return stats
 
     def _run(self) -> None:
         while True:
@@ -231,12 +263,17 @@ class AlertDispatcher:
                 if not self._queue or self._abort.is_set():
                     return
                 payload, record = self._queue.popleft()
+                self._current = (record.get("step"), self.sinks[0].name if self.sinks else "?")
             for sink in self.sinks:
+                with self._cond:
+                    self._current = (record.get("step"), sink.name)
                 ok = not self._abort.is_set() and self._deliver(sink, payload, record)
                 with self._cond:
                     key = "sent" if ok else "failed"
                     self._counts[key] += 1
                     self._by_sink[sink.name][key] += 1
+            with self._cond:
+                self._current = None
 
     def _deliver(self, sink: _Sink, payload: bytes, record: dict) -> bool:
         pause, attempts, last = self.config.backoff_s, 0, ""

@@ -69,9 +69,12 @@ def make_record(
     params: list[ParamFinding],
     ranks_affected: list[int],
     world: dict[str, int],
+    first: Optional[ParamFinding] = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """Assemble one incident record; ``params`` are ordered nearest-the-output first."""
+    """Assemble one incident record; ``params`` are ordered nearest-the-output first.
+    ``first``: where the fault entered when that is known apart from ``params`` (a rank's own
+    gradient before the data-parallel reduction); default the first of ``params``."""
     if severity not in SEVERITIES:
         raise ValueError(f"severity must be one of {SEVERITIES}, got {severity!r}")
     ordered = sorted(params, key=lambda p: (-p.order, p.ranks.get("global", 0)))
@@ -85,7 +88,7 @@ def make_record(
         "kinds": kinds,
         "action": action,
         "message": message,
-        "first": as_dicts[0] if as_dicts else None,
+        "first": asdict(first) if first is not None else as_dicts[0] if as_dicts else None,
         "params": as_dicts,
         "ranks_affected": sorted(set(ranks_affected)),
         "world": world,

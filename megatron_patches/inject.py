@@ -14,14 +14,16 @@ sees, default; ``local``: this rank's gradient before the data-parallel reductio
 spreads like a faulty card's would), ``factor`` (spike and growth), ``bit`` (bitflip only).
 
 An injection is an event in time: each (spec, step) fires once, so steps replayed after a
-rollback are not injected again.
+rollback are not injected again. What actually fired (spec, parameter or sample, rank) is kept
+per step (:meth:`Injector.fired_at`), so an incident is labelled injected only by drills that
+fired at its step, never by a spec whose window merely covers it.
 """
 
 from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -132,17 +134,42 @@ def _corrupt(kind: str, grad: torch.Tensor, factor: float, bit: Optional[int] = 
 class Injector:
     """Applies the specs that are due; remembers what fired so nothing fires twice."""
 
-    def __init__(self, specs: Iterable[InjectionSpec]):
+    def __init__(self, specs: Iterable[InjectionSpec], clock: Optional[Callable[[], tuple[int, int]]] = None):
+        """``clock``: returns (step being made, global rank) when a poison drill is fed (the
+        training loop asks :meth:`poisoned` without saying which step it is on)."""
         self.specs = tuple(specs)
         self._fired: set[tuple[int, int]] = set()
+        self._clock = clock
+        self._log: dict[int, list[dict]] = {}  # step -> what fired at it on this rank
+
+    def _note(self, step: int, entry: dict) -> None:
+        entries = self._log.setdefault(step, [])
+        if entry not in entries:  # a replayed step feeds a poisoned sample again: one entry
+            entries.append(entry)
+
+    def fired_at(self, step: int) -> list[dict]:
+        """What fired at ``step`` on this rank: ``{"drill", "rank", "param"}`` for gradient drills,
+        ``{"drill", "rank", "sample"}`` for poison drills (the sample was fed)."""
+        return [dict(e) for e in self._log.get(step, [])]
+
+    def forget_before(self, step: int) -> None:
+        """Drop what fired before ``step`` (checked already): the log stays small."""
+        for old in [s for s in self._log if s < step]:
+            del self._log[old]
 
     def __bool__(self) -> bool:
         return any(s.kind != "poison" for s in self.specs)
 
     def poisoned(self, samples: Iterable[int]) -> set[int]:
         """The sample indices among ``samples`` that a ``poison`` spec marks."""
-        marked = {s.sample for s in self.specs if s.kind == "poison"}
-        return marked.intersection(samples)
+        samples = set(samples)
+        hit = {s.sample for s in self.specs if s.kind == "poison"} & samples
+        if hit and self._clock is not None:
+            step, rank = self._clock()
+            for spec in self.specs:
+                if spec.kind == "poison" and spec.sample in hit:
+                    self._note(step, {"drill": spec.text, "rank": rank, "sample": spec.sample})
+        return hit
 
     def fired_specs(self) -> list[str]:
         """Texts of the specs that have fired at least once."""
@@ -188,6 +215,7 @@ class Injector:
             factor = spec.factor ** (step - spec.step + 1) if spec.kind == "growth" else spec.factor
             for name, _, grad in targets:
                 _corrupt(spec.kind, grad, factor, spec.bit)
+                self._note(step, {"drill": spec.text, "rank": rank, "param": name})
                 done.append(f"{spec.text} -> {name} on rank {rank}")
         return done
 

@@ -9,9 +9,11 @@ and broadcast the decision, so that all ranks act alike and none waits in a coll
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
+import sys
 import weakref
 from dataclasses import asdict
 from typing import Any, Callable, Optional
@@ -33,7 +35,7 @@ from .incidents import (
     make_record,
 )
 from .inject import Injector, parse_spec
-from .optimizer_params import Entry, build_entries, current_grads, leaves, local_nonfinite
+from .optimizer_params import Entry, build_entries, current_grads, leaves
 from .response import EXIT_CRITICAL, EXIT_ROLLBACK, EXIT_STOP, Decision, GradePolicy
 
 log = logging.getLogger("megatron_patches")
@@ -43,17 +45,21 @@ _NONFINITE, _OVER_PARAM, _SATURATED, _TOTAL_SQ, _HEAD = 0, 1, 2, 3, 4
 
 
 def resolve_overflow_mode(mode: str) -> str:
-    """'auto' -> what the device does: saturation on Ascend parts that saturate, else ieee."""
+    """'auto' -> what the device does: saturation on Ascend parts that saturate, else ieee.
+
+    torch_npu's ``is_support_inf_nan()`` initialises the current device, so this is asked lazily
+    (:attr:`GradMonitor.overflow_mode`, at the first check, after Megatron's set_device), and only
+    when torch_npu is already imported (MindSpeed imports it; without it the answer is ieee)."""
     if mode != "auto":
         return mode
+    torch_npu = sys.modules.get("torch_npu")
     try:
-        import torch_npu  # type: ignore
-
-        supports = getattr(getattr(torch_npu.npu, "utils", None), "is_support_inf_nan", None)
+        supports = getattr(getattr(getattr(torch_npu, "npu", None), "utils", None), "is_support_inf_nan", None)
         if supports is not None and not supports():
             return "saturation"
-    except Exception:
-        pass
+    except Exception as exc:
+        log.warning("overflow_mode auto: torch_npu's is_support_inf_nan failed (%s); checking as ieee, "
+                    "set overflow_mode explicitly", exc)
     return "ieee"
 
 
@@ -66,8 +72,9 @@ class GradMonitor:
 
     def __init__(self, config: Config):
         self.config = config
-        self.overflow_mode = resolve_overflow_mode(config.overflow_mode)
-        self.injector = Injector([parse_spec(s) for s in config.inject])
+        self._overflow_mode: Optional[str] = None  # resolved at the first check (resolve_overflow_mode)
+        self.injector = Injector([parse_spec(s) for s in config.inject],
+                                 clock=lambda: (self.upcoming_step(), self.rank))
         self.detectors = detector_plugins.build(config)
         self._detector_width = sum(d.width() for d in self.detectors)
         self.report_dir = os.path.abspath(config.report_dir)
@@ -105,10 +112,12 @@ class GradMonitor:
         self.on_exit: list[Callable[[int], None]] = []
         """Called with the exit code before the monitor ends the process (writes the ledger)."""
         self._origin_flag: Optional[torch.Tensor] = None
+        self._origin_norms: Optional[tuple] = None  # (chunks, params, device norms) before the reduction
         self._pre_reduction: list[ParamFinding] = []
         self._bucket_checks = False
         self._replica_count: Optional[int] = None
         self._pending_record: Optional[dict] = None
+        self._pending_scene: Optional[tuple] = None  # (path, payload) captured at the incident
         self._scenes = None
         self._alerts = None
         self._batch_tokens: Optional[list] = None
@@ -116,6 +125,17 @@ class GradMonitor:
         self._replay_result: Optional[dict] = None
         self.last_incident_first: Optional[dict] = None
         self.last_incident_ranks: list = []
+
+    @property
+    def overflow_mode(self) -> str:
+        """'ieee' or 'saturation'; 'auto' is asked on the rank's own device at the first use."""
+        if self._overflow_mode is None:
+            self._overflow_mode = resolve_overflow_mode(self.config.overflow_mode)
+        return self._overflow_mode
+
+    @overflow_mode.setter
+    def overflow_mode(self, mode: str) -> None:
+        self._overflow_mode = mode
 
     @property
     def rank(self) -> int:
@@ -206,9 +226,50 @@ class GradMonitor:
         # Where Megatron's bucket check runs, the flag comes from its norms (note_pre_reduction).
         if (self.config.response.origin_check and step % self.config.check_interval == 0
                 and self._replicas() > 1 and not self._bucket_checks):
-            self._origin_flag = local_nonfinite(chunks)
+            self._origin_flag = self._local_origin_norms(chunks)
         for detector in self.detectors:
             detector.before_reduction(chunks, step)
+
+    def _local_origin_norms(self, chunks: list) -> torch.Tensor:
+        """The origin flag (1.0: this rank's own gradients hold NaN/Inf before the reduction),
+        from one fused pass over the per-parameter gradients. Their norms stay on the device:
+        read only on the slow path, when this rank turns out to be an origin, to name them."""
+        params, grads = [], []
+        for chunk in chunks:
+            for param in chunk.parameters():
+                grad = getattr(param, "main_grad", None)
+                grad = grad if grad is not None else param.grad
+                if grad is not None and grad.numel() > 0:
+                    params.append(param)
+                    grads.append(grad)
+        if not grads:
+            self._origin_norms = None
+            return torch.zeros((), device=collective_device())
+        norms = torch.stack(torch._foreach_norm(grads)).float()
+        self._origin_norms = (chunks, params, norms)
+        return (~torch.isfinite(norms)).any().float()
+
+    def _origin_findings(self, origin_norms: Optional[tuple]) -> list[ParamFinding]:
+        """This rank's parameters whose own gradient was non-finite before the reduction (slow path,
+        on an origin rank without Megatron's bucket check). NaN/Inf counts are those of the local
+        gradient's norm only (the gradient itself was reduced since): 1 marks which one it was."""
+        if origin_norms is None:
+            return []
+        chunks, params, norms = origin_norms
+        infos = locate.name_parameters(chunks)
+        ranks, host, device = locate.rank_info(), locate.host(), locate.device_name()
+        findings = []
+        for param, norm in zip(params, norms.tolist()):
+            if math.isfinite(norm):
+                continue
+            info = infos.get(id(param))
+            reason = "nan" if norm != norm else "inf"
+            findings.append(ParamFinding(
+                name=info.name if info else f"<unnamed {tuple(param.shape)}>", layer=info.layer if info else None,
+                shape=list(param.shape), nan=int(reason == "nan"), inf=int(reason == "inf"), overflow=0, norm=None,
+                ranks=ranks, host=host, device=device, order=info.order if info else -1,
+                reasons=[reason, "pre_reduction"]))
+        return findings
 
     def note_bucket_check(self) -> None:
         """Megatron's per-bucket check ran under the guard (:mod:`megatron_patches.bucket_check`):
@@ -299,6 +360,7 @@ class GradMonitor:
 
     def _check(self, optimizer: Any, entries: list[Entry], step: int, action: str = "skip_step") -> bool:
         pre_reduction, self._pre_reduction = self._pre_reduction, []
+        origin_norms, self._origin_norms = self._origin_norms, None
         ctx, maxabs, vec = self._local_stats(optimizer, entries, step)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(vec)  # every rank joins, stub optimizers included
@@ -309,6 +371,7 @@ class GradMonitor:
         layer_sq = values[_HEAD:_HEAD + num_slots]
         ctx.layer_norms = [math.sqrt(v) if v >= 0 else float("nan") for v in layer_sq]
         if not self._replaying:  # a replay is a diagnosis, not a training step: no history of it
+            self.injector.forget_before(step)
             self.counters["checked_steps"] += 1
             self.last_total_norm = total_norm
             self.last_layer_norms = dict(zip(_slot_names(num_slots), ctx.layer_norms))
@@ -338,6 +401,8 @@ class GradMonitor:
             for detector in self.detectors:
                 detector.commit(ctx, accepted=True)
             return False
+        if self.rank in origins and not pre_reduction:  # name this rank's own faulty gradients
+            pre_reduction = self._origin_findings(origin_norms)
         skip = self._incident(ctx, maxabs, total_over, kinds, reduced, action, origins, pre_reduction)
         for detector in self.detectors:
             detector.commit(ctx, accepted=not skip)
@@ -387,7 +452,7 @@ class GradMonitor:
         step = ctx.step
         findings = self._findings(ctx, maxabs, total_over)
         everyone = gather_to_zero({"findings": findings, "batch": self._batch, "ranks": locate.rank_info(),
-                                   "pre_reduction": pre_reduction})
+                                   "pre_reduction": pre_reduction, "injected": self.injector.fired_at(step)})
         record: dict = {}
         decision = None
         if self.rank == 0:
@@ -408,18 +473,26 @@ class GradMonitor:
             extra: dict[str, Any] = {}
             for detector in self.detectors:
                 extra.update(detector.extra(ctx, reduced[detector.name]))
-            message = _describe(kind, found, ctx.total_norm)
-            if before:  # named where Megatron's bucket check found them, on the origin rank
+            # The origin leads: a fault that entered a rank's own gradient before the reduction is
+            # named there (host and device of that rank), not where the reduction carried it.
+            origin = max(before, key=lambda f: f.order) if before else None
+            reached = sorted({dp_of.get(f.ranks["global"], f.ranks["global"]) for f in found + before}
+                             | {dp_of.get(r, r) for r in origins})
+            message = _describe(kind, found, ctx.total_norm, origin=origin)
+            if before:
                 extra["pre_reduction"] = [asdict(f) for f in before]
-                message += (f"; entered on rank(s) {sorted({f.ranks['global'] for f in before})} before the "
-                            f"data-parallel reduction, at {', '.join(sorted({f.name for f in before}))}")
+            if origins:
+                world = locate.world_layout()
+                extra["replicas_reached"] = len(reached)
+                message += (f"; entered on rank(s) {origins} before the data-parallel reduction, reached "
+                            f"{len(reached)} of {world['dp'] * world['cp']} data-parallel replica(s)")
             record = make_record(
                 step=step, severity=decision.severity, kind=kind, kinds=found_kinds, action=decision.action,
-                message=message, params=found,
+                message=message, params=found, first=origin,
                 ranks_affected=[f.ranks["global"] for f in found], world=locate.world_layout(),
                 total_norm=finite_or_none(ctx.total_norm),
                 batch={**self._batch_info, "samples": sorted({i for part in everyone for i in part["batch"]})},
-                injected=[s.text for s in self.injector.specs if s.covers(step)],
+                injected=[e for part in everyone for e in part["injected"]],
                 origin_ranks=origins, reason=decision.reason, **extra,
             )
             self.last_incident_first = record["first"]
@@ -431,15 +504,20 @@ class GradMonitor:
         self.counters["incidents"] += 1
         if decision.action == "skip_step":
             self.counters["skipped_steps"] += 1
+        scene = None
         if self.config.scene.enabled and _at_least(decision.severity, self.config.scene.min_severity):
-            record["scene"] = self._save_scene(ctx, findings, record)
+            scene = self._capture_scene(ctx, findings)  # captured now, whenever it is written
+            if self.rank == 0:
+                record = {**record, "scene": os.path.dirname(scene[0])}
         if self.rank == 0:
-            if decision.replay:
-                self._pending_record = record  # written once the executor's replay has a verdict
+            if decision.replay:  # written once the executor's replay has a verdict
+                self._pending_record, self._pending_scene = record, scene
             else:
-                self._publish(record)
+                self._publish(record, scene)
+        elif scene is not None:
+            self._submit_scene(scene, None)
         for listener in self.listeners:
-            listener(decision, record)
+            listener(decision, copy.deepcopy(record))
         if self.executor is None and decision.action in ("stop", "rollback"):
             self.exit(EXIT_CRITICAL if decision.severity == "critical" else
                       EXIT_ROLLBACK if decision.action == "rollback" else EXIT_STOP)
@@ -469,9 +547,8 @@ class GradMonitor:
         """The executor's outcome for the pending incident (replay verdict, blacklisted samples,
         rollback target); rank 0 writes the record with it. Call on every rank."""
         if self.rank == 0 and self._pending_record is not None:
-            self._pending_record.update(fields)
-            self._publish(self._pending_record)
-        self._pending_record = None
+            self._publish({**self._pending_record, **fields}, self._pending_scene)
+        self._pending_record, self._pending_scene = None, None
 
     def take_decision(self) -> Optional[Decision]:
         decision, self.decision = self.decision, None
@@ -492,8 +569,8 @@ class GradMonitor:
     def close(self) -> None:
         """Write what is queued (pending record, scenes, alerts)."""
         if self._pending_record is not None and self.rank == 0:
-            self._publish(self._pending_record)
-            self._pending_record = None
+            self._publish(self._pending_record, self._pending_scene)
+            self._pending_record, self._pending_scene = None, None
         if self._scenes is not None:
             self._scenes.close()
             self._scenes = None
@@ -501,7 +578,10 @@ class GradMonitor:
             self._alerts.close()
             self._alerts = None
 
-    def _publish(self, record: dict) -> None:
+    def _publish(self, record: dict, scene: Optional[tuple] = None) -> None:
+        """Hand the complete record on: the scene writer and the alert sinks get their own copies."""
+        if scene is not None:
+            self._submit_scene(scene, record)
         self._write_incident(record)
         if record.get("severity") in ("error", "critical"):
             if self._alerts is None:
@@ -510,12 +590,11 @@ class GradMonitor:
                 self._alerts = AlertDispatcher(self.config.alerts, self.report_dir)
             self._alerts.submit(record)
 
-    def _save_scene(self, ctx: CheckContext, findings: list, record: dict) -> str:
+    def _capture_scene(self, ctx: CheckContext, findings: list) -> tuple[str, dict]:
+        """This rank's scene (path, payload) as it is now: CPU copies, nothing shared."""
         from . import scene
         from .checkpoint import rng_state
 
-        if self._scenes is None:
-            self._scenes = scene.SceneWriter(self.config.scene.queue_size, self.config.scene.max_bytes)
         norms = ctx.norms.tolist() if ctx.norms is not None else []
         payload = {
             "step": ctx.step,
@@ -526,17 +605,25 @@ class GradMonitor:
                       "tokens": [t.detach().cpu().clone() for t in self._batch_tokens] if self._batch_tokens else None},
             "rng": rng_state(),
             "grad_norms": {e.info.name: n for e, n in zip(ctx.entries, norms)},
-            "findings": [f.__dict__ for f in findings],
+            "findings": [asdict(f) for f in findings],
             "optimizer": self._optimizer_meta(),
             "overflow_mode": self.overflow_mode,
         }
+        # Each episode keeps its own scene: a step reached again after a rollback is another one.
+        return scene.scene_dir(self.report_dir, ctx.step, self.rank, episode=self.rollbacks), payload
+
+    def _submit_scene(self, captured: tuple, record: Optional[dict]) -> None:
+        """Queue a captured scene; rank 0 adds the environment and the complete ``record``."""
+        from . import scene
+
+        if self._scenes is None:
+            self._scenes = scene.SceneWriter(self.config.scene.queue_size, self.config.scene.max_bytes)
+        path, payload = captured
         files = {}
-        if self.rank == 0:
+        if record is not None:
             files = {"environment.json": {**scene.environment(), "world": locate.world_layout()},
                      "incident.json": record}
-        path = scene.scene_dir(self.report_dir, ctx.step, self.rank)
-        self._scenes.submit(path, payload, files)
-        return os.path.dirname(path)
+        self._scenes.submit(path, payload, files)  # the writer deep-copies what it is given
 
     def _optimizer_meta(self) -> dict:
         meta: dict[str, Any] = {"step": self._step, "rollbacks": self.rollbacks}
@@ -597,12 +684,21 @@ class GradMonitor:
         self._history_lines += int(written)
 
 
-def _describe(kind: str, findings: list[ParamFinding], total_norm: float) -> str:
+def _describe(kind: str, findings: list[ParamFinding], total_norm: float,
+              origin: Optional[ParamFinding] = None) -> str:
+    """The summary line; ``origin`` (a rank's own finding before the reduction) leads when known."""
+    what = f"{kind} gradient" if kind in ("nan", "inf", "overflow", "magnitude") else kind
+    if origin is not None:
+        head = (f"{what} first at {origin.name} (layer {origin.layer}, rank {origin.ranks['global']}, "
+                f"host {origin.host} {origin.device})")
+        if not findings:
+            return head
+        return f"{head}; after it {len({f.name for f in findings})} parameter(s) on rank(s) " \
+               f"{sorted({f.ranks['global'] for f in findings})}"
     if not findings:
         return f"{kind} in gradients (total norm {total_norm:.4g})"
     first = max(findings, key=lambda f: f.order)
     ranks = sorted({f.ranks["global"] for f in findings})
-    what = f"{kind} gradient" if kind in ("nan", "inf", "overflow", "magnitude") else kind
     return (f"{what} first at {first.name} (layer {first.layer}, rank {first.ranks['global']}); "
             f"{len({f.name for f in findings})} parameter(s) on rank(s) {ranks}")
 

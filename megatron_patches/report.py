@@ -170,20 +170,40 @@ def _where(param: dict) -> str:
     return ", ".join(parts)
 
 
+def _entry(rec: dict) -> Optional[dict]:
+    """Where the fault entered: ``first``, unless the origin rank's own finding from before the
+    data-parallel reduction is known and ``first`` is elsewhere (records written before the
+    origin led)."""
+    first = rec.get("first") if isinstance(rec.get("first"), dict) else None
+    origins = rec.get("origin_ranks") if isinstance(rec.get("origin_ranks"), list) else []
+    before = [p for p in rec.get("pre_reduction") or [] if isinstance(p, dict)
+              and _ranks(p).get("global") in origins] if isinstance(rec.get("pre_reduction"), list) else []
+    if before and _ranks(first).get("global") not in origins:
+        return max(before, key=lambda p: p.get("order") if isinstance(p.get("order"), int) else -1)
+    return first
+
+
 def diagnosis(rec: dict) -> list[str]:
     """Two to four lines: what broke, where it entered, how far it spread, what was done."""
     lines = [headline(rec)]
-    first = rec.get("first") if isinstance(rec.get("first"), dict) else None
+    first = _entry(rec)
     if first:
         lines.append(f"  entered at: {_where(first)}")
     else:
         lines.append("  entered at: not localized to a parameter (a model-wide check tripped)")
     world = rec.get("world") if isinstance(rec.get("world"), dict) else {}
     size = world.get("size")
-    lines.append(
-        f"  spread: {_count(rec.get('ranks_affected'))} of {_text(size)} ranks, "
-        f"{_count(rec.get('params'))} parameter(s)"
-    )
+    spread = (f"{_count(rec.get('ranks_affected'))} of {_text(size)} ranks, "
+              f"{_count(rec.get('params'))} parameter(s)")
+    origins = rec.get("origin_ranks") if isinstance(rec.get("origin_ranks"), list) else []
+    if origins:
+        replicas = (world["dp"] * world.get("cp", 1) if isinstance(world.get("dp"), int)
+                    and isinstance(world.get("cp", 1), int) else None)
+        reached = rec.get("replicas_reached")
+        reached = reached if isinstance(reached, int) else _text(replicas)  # older records: the reduction reaches all
+        spread = (f"from rank(s) {origins} before the data-parallel reduction to {reached} of "
+                  f"{_text(replicas)} data-parallel replica(s); found after it on {spread}")
+    lines.append(f"  spread: {spread}")
     done = [f"action {_text(rec.get('action'))}"]
     replay = rec.get("replay") if isinstance(rec.get("replay"), dict) else None
     if replay and replay.get("verdict"):
@@ -206,9 +226,25 @@ def diagnosis(rec: dict) -> list[str]:
     if rec.get("scene"):
         done.append(f"scene {rec['scene']}")
     if rec.get("injected"):
-        done.append("injected by a drill")
+        done.append("injected by a drill: " + _drills(rec["injected"]))
     lines.append("  done: " + "; ".join(done))
     return lines
+
+
+def _drills(injected: Any) -> str:
+    """What fired: ``nan:step=3,... -> decoder.layers.1.mlp.linear_fc1.weight on rank 1``."""
+    if not isinstance(injected, list):
+        return _text(injected)
+    said = []
+    for entry in injected:
+        if isinstance(entry, dict):
+            target = (f"sample {entry['sample']}" if "sample" in entry else _text(entry.get("param")))
+            text = f"{_text(entry.get('drill'))} -> {target} on rank {_text(entry.get('rank'))}"
+        else:  # records written before 'injected' said what fired: the spec text
+            text = _text(entry)
+        if text not in said:
+            said.append(text)
+    return "; ".join(said)
 
 
 def format_text(report: Report) -> str:

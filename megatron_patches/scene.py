@@ -1,6 +1,7 @@
 """Fault scenes: what was on each rank when an incident happened, saved off the training thread.
 
-Each rank writes ``<report_dir>/scenes/step0000012/rank00003/`` holding ``scene.pt`` (RNG
+Each rank writes ``<report_dir>/scenes/step0000012/rank00003/`` (``step0000012-r1/`` when the step
+is reached again after the first rollback, so every episode keeps its scene) holding ``scene.pt`` (RNG
 states, batch sample indices and tokens, per-parameter gradient norms, optimizer and scaler
 metadata) and ``MANIFEST.json`` (file sizes; written last). Rank 0 adds ``environment.json``
 and the incident record. Everything is written into a ``.tmp-`` directory and renamed at the
@@ -10,6 +11,7 @@ end, so a crash never leaves a bundle that reads as complete: a rank directory w
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -30,8 +32,11 @@ _ENV_PREFIXES = ("MEGATRON", "NCCL_", "HCCL_", "CUDA_", "ASCEND_", "NPU_", "TORC
                  "WORLD_SIZE", "RANK", "LOCAL_RANK", "PYTORCH_", "CUBLAS_", "NVTE_")
 
 
-def scene_dir(report_dir: str, step: int, rank: int) -> str:
-    return os.path.join(report_dir, SCENES_DIR, f"step{step:07d}", f"rank{rank:05d}")
+def scene_dir(report_dir: str, step: int, rank: int, episode: int = 0) -> str:
+    """Where ``rank`` writes its scene of ``step``; ``episode``: rollbacks done before it (the
+    same on every rank), so an incident at a step reached again does not replace the first one's."""
+    name = f"step{step:07d}" + (f"-r{episode}" if episode else "")
+    return os.path.join(report_dir, SCENES_DIR, name, f"rank{rank:05d}")
 
 
 def environment() -> dict:
@@ -89,9 +94,11 @@ class SceneWriter:
         self._thread.start()
 
     def submit(self, path: str, payload: dict, files_json: Optional[dict] = None) -> bool:
-        """Queue one bundle; ``payload`` must already be CPU copies (the training thread goes on)."""
+        """Queue one bundle; ``payload`` must already be CPU copies (the training thread goes on).
+        ``files_json`` (the incident record among them) is deep-copied here: whatever the caller
+        does with its objects afterwards, the bundle holds them as they were at submission."""
         try:
-            self._queue.put_nowait((path, payload, files_json or {}))
+            self._queue.put_nowait((path, payload, copy.deepcopy(files_json or {})))
             return True
         except queue.Full:
             self.dropped += 1

@@ -5,6 +5,7 @@ import logging
 import shlex
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -206,3 +207,111 @@ def test_alerts_config_rejects_what_cannot_work():
         Config.from_dict({"alerts": {"webhooks": [{"url": "https://x.example", "timeout": 3}]}})
     with pytest.raises(ConfigError, match=r"`alerts.queue_size` must be >= 1, got 0"):
         Config.from_dict({"alerts": {"queue_size": 0}})
+
+
+class SlowReceiver:
+    """A webhook on 127.0.0.1 that leaves the first ``slow`` POSTs unanswered for ``delay`` seconds
+    (longer than the sender's timeout), then answers at once. Bounded: every wait ends by itself."""
+
+    def __init__(self, slow, delay):
+        self.answered, self.seen = [], 0
+        receiver = self
+        lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with lock:
+                    receiver.seen += 1
+                    late = receiver.seen <= slow
+                if late:
+                    threading.Event().wait(delay)  # the client has given up by then
+                    return
+                receiver.answered.append((time.monotonic(), body))
+                self.send_response(200)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args):
+                pass
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            block_on_close = False
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_stopping_close_waits_what_timeouts_and_retries_need(tmp_path):
+    # Two attempts time out (4 s each) and back off (1 s, 2 s); the third is answered about 11 s
+    # after the alert was queued, past the 10 s close() used to wait. Without a timeout it waits
+    # what the configuration needs: 3 x 4 + 1 + 2 = 15 s.
+    receiver = SlowReceiver(slow=2, delay=5)
+    try:
+        dispatcher = AlertDispatcher(alerts(backoff_s=1.0, webhooks=[
+            {"url": receiver.url, "timeout_s": 4, "retries": 2}]), str(tmp_path))
+        dispatcher.submit(incident(severity="critical"))
+        assert dispatcher.needed_s() == pytest.approx(15.0)
+        start = time.monotonic()
+        stats = dispatcher.close()
+        waited = time.monotonic() - start
+    finally:
+        receiver.stop()
+    assert (stats["sent"], stats["failed"], stats["dropped"]) == (1, 0, 0)
+    assert [body["severity"] for _, body in receiver.answered] == ["critical"]
+    assert 10.0 < waited < 15.0, waited
+
+
+def test_close_is_capped_and_a_lost_alert_is_logged(tmp_path, caplog):
+    # The endpoint never answers in time: the budget (4 x 1 s + pauses) is over the limit of 2 s.
+    receiver = SlowReceiver(slow=100, delay=3)
+    try:
+        dispatcher = AlertDispatcher(alerts(backoff_s=0.5, webhooks=[
+            {"url": receiver.url, "timeout_s": 1, "retries": 3}]), str(tmp_path))
+        with caplog.at_level(logging.WARNING, logger="megatron_patches.alerts"):
+            dispatcher.submit(incident(step=41, severity="critical"))
+            assert dispatcher.needed_s() > 2.0
+            start = time.monotonic()
+            dispatcher.close(limit=2.0)
+            waited = time.monotonic() - start
+    finally:
+        receiver.stop()
+    assert waited < 2.5, waited
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("alert for step 41 not confirmed by webhook[0] generic 127.0.0.1" in m for m in errors), errors
+    assert "/hook" not in caplog.text
+
+
+def test_the_alert_of_a_stopping_exit_leaves(tmp_path):
+    # A real run stops on its first error (exit 85). The webhook answers after 11 s, inside its
+    # 13 s timeout but past the 10 s the exit used to wait: the alert must still arrive.
+    from conftest import run_tiny
+
+    receiver = SlowReceiver(slow=0, delay=0)
+    receiver_delay = threading.Event()
+    original = receiver.server.RequestHandlerClass.do_POST
+
+    def late_post(handler):
+        receiver_delay.wait(11)
+        original(handler)
+
+    receiver.server.RequestHandlerClass.do_POST = late_post
+    config = tmp_path / "guard.yaml"
+    config.write_text("response:\n  persist_steps: 1\n  on_error: stop\n  replay: false\n"
+                      f"alerts:\n  webhooks:\n    - url: {receiver.url}\n      timeout_s: 13\n      retries: 0\n")
+    try:
+        run = run_tiny(tmp_path / "out", "--steps", "6", "--config", str(config),
+                       "--inject", "nan:step=3,param=decoder.layers.1.mlp.linear_fc1.weight")
+    finally:
+        receiver.stop()
+    assert run.returncode == 85, run.output[-3000:]
+    assert [(body["step"], body["severity"], body["action"]) for _, body in receiver.answered] == [(3, "error", "stop")]
+    assert "alerts at close: 1 delivered, 0 failed, 0 dropped" in run.output, run.output[-3000:]
+    assert "not confirmed" not in run.output and "not delivered" not in run.output

@@ -136,3 +136,32 @@ def test_fp16_repeated_overflows_are_a_loss_scale_incident(tmp_path):
     assert (record["kind"], record["step"]) == ("loss_scale", 7)
     assert "3 consecutive overflow skips" in record["message"]
     assert result["monitor"]["scaler_overflows"] >= 3
+
+
+@pytest.mark.multiproc
+def test_dp2_origin_rank_leads_the_record_and_the_report(tmp_path):
+    # Rank 1's own gradient turns NaN before the reduce-scatter; the shard holding the NaN after
+    # it is rank 0's. The user must be sent to rank 1's machine, not rank 0's.
+    import subprocess
+    import sys
+
+    name = "decoder.layers.1.mlp.linear_fc1.weight"
+    run = run_tiny(tmp_path, "--steps", "6", "--distributed-optimizer",
+                   "--inject", f"nan:step=3,rank=1,phase=local,param={name}", nproc=2)
+    assert run.returncode == 0 and run.result["params_finite"], run.output[-3000:]
+    record = only_incident(run)
+    assert (record["step"], record["kind"], record["action"]) == (3, "nan", "skip_step")
+    assert (record["first"]["name"], record["first"]["layer"]) == (name, 1)
+    assert (record["first"]["ranks"]["global"], record["first"]["ranks"]["dp"]) == (1, 1)
+    assert record["origin_ranks"] == [1]
+    assert record["first"]["device"].endswith("(LOCAL_RANK=1)"), record["first"]
+    assert record["message"].startswith(f"nan gradient first at {name} (layer 1, rank 1, host ")
+    assert record["replicas_reached"] == 2
+    # Labelled injected by the drill that fired, on the rank and parameter it fired at.
+    assert record["injected"] == [{"drill": f"nan:step=3,rank=1,phase=local,param={name}", "rank": 1, "param": name}]
+    text = subprocess.run([sys.executable, "-m", "megatron_patches", "report", str(tmp_path)],
+                          capture_output=True, text=True, check=True).stdout
+    entered = next(line for line in text.splitlines() if line.strip().startswith("entered at:"))
+    assert f"{name} (layer 1), global rank 1 (tp 0, pp 0, dp 1), host " in entered, text
+    spread = next(line for line in text.splitlines() if line.strip().startswith("spread:"))
+    assert "from rank(s) [1] before the data-parallel reduction to 2 of 2 data-parallel replica(s)" in spread, text

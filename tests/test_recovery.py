@@ -46,6 +46,8 @@ def test_poisoned_sample_is_deterministic_blacklisted_and_never_fed_again(tmp_pa
     (record,) = run.incidents
     assert record["step"] == 6 and record["replay"]["verdict"] == "deterministic"
     assert record["origin_ranks"] == []  # one replica: the origin check is not worth a read there
+    # The poison drill is labelled, with the sample it fed.
+    assert record["injected"] == [{"drill": "poison:sample=45", "rank": 0, "sample": 45}]
     # Only the micro-batch whose loss went non-finite in the replay is blacklisted.
     assert record["blacklisted"] == [44, 45, 46, 47] == ledger(tmp_path)["blacklist"]
     # Back to step 4 by hand, same poison: sample 45 is skipped, so nothing goes wrong.
