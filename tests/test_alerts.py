@@ -34,6 +34,23 @@ def alerts(**fields):
     return Config.from_dict({"alerts": {"backoff_s": 0.05, **fields}}).alerts
 
 
+class QuietHandler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+class _LoopbackServer(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+
+
+def serve_on_loopback(handler: type) -> ThreadingHTTPServer:
+    """``handler`` served on 127.0.0.1 (a free port) from a daemon thread."""
+    server = _LoopbackServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 class Receiver:
     """A webhook receiver. /slow answers only when the test ends; /reject answers like Feishu on a bad token."""
 
@@ -42,7 +59,7 @@ class Receiver:
         self.release = threading.Event()
         receiver = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 receiver.posts.append((self.path, self.headers["Content-Type"], json.loads(body)))
@@ -54,17 +71,8 @@ class Receiver:
                 self.end_headers()
                 self.wfile.write(reply)
 
-            def log_message(self, *args):
-                pass
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-            block_on_close = False
-
-        self.server = Server(("127.0.0.1", 0), Handler)
+        self.server = serve_on_loopback(Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
 
     def bodies(self, path):
         return [body for p, _, body in self.posts if p == path]
@@ -218,7 +226,7 @@ class SlowReceiver:
         receiver = self
         lock = threading.Lock()
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with lock:
@@ -233,16 +241,8 @@ class SlowReceiver:
                 self.end_headers()
                 self.wfile.write(b"{}")
 
-            def log_message(self, *args):
-                pass
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-            block_on_close = False
-
-        self.server = Server(("127.0.0.1", 0), Handler)
+        self.server = serve_on_loopback(Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def stop(self):
         self.server.shutdown()

@@ -274,6 +274,21 @@ def incidents(tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def rollback_run(loop: Loop, tmp_path: Path, drill: str, *extra: str) -> tuple[str, str]:
+    """The launcher around ``loop`` with checkpoints every 2 iterations and ``drill`` as the guard's
+    drill; asserts it ends with exit 0 and returns the first and the second attempt's output (one
+    stream, so that the launcher's lines fall between the two attempts)."""
+    save = tmp_path / "ckpt"
+    command = loop.command("--save", str(save), "--load", str(save), "--save-interval", "2", *extra,
+                           *loop.checkpoint_format())
+    proc = subprocess.run([sys.executable, str(LAUNCHER), "--max-restarts", "2", "--", *command],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=REPO,
+                          env=guard_env(tmp_path, inject=[drill]))
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    first, second = proc.stdout.split("[restart_on_rollback] attempt 2:")
+    return first, second
+
+
 @pytest.mark.multiproc
 def test_pretrain_gpt_names_the_parameter_at_megatrons_iteration(loop_kind, request, tmp_path):
     loop = make_loop(loop_kind, request, tmp_path, only=None)  # a checkout: the full source patch
@@ -320,16 +335,7 @@ def test_pretrain_gpt_names_the_parameter_at_megatrons_iteration(loop_kind, requ
 def test_persistent_fault_exits_84_and_the_launcher_resumes_from_the_healthy_checkpoint(loop_kind, request, tmp_path):
     loop = make_loop(loop_kind, request, tmp_path, only="pretrain")  # hooks from the runtime wrappers
     save = tmp_path / "ckpt"
-    env = guard_env(tmp_path, inject=[f"nan:step=3,count=2,param={FC1}"])
-    command = loop.command("--save", str(save), "--load", str(save), "--save-interval", "2",
-                           *loop.checkpoint_format())
-    # One stream, so that the launcher's lines fall between the two attempts' output.
-    proc = subprocess.run([sys.executable, str(LAUNCHER), "--max-restarts", "2", "--", *command],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=REPO, env=env)
-    output = proc.stdout
-    assert proc.returncode == 0, output[-6000:]
-
-    first, second = output.split("[restart_on_rollback] attempt 2:")
+    first, second = rollback_run(loop, tmp_path, f"nan:step=3,count=2,param={FC1}")
     # Iteration 3 skipped (warning), iteration 4 again: an error, so every rank stops with 84.
     assert first.count("stopping with exit code 84") == 2
     assert re.search(r"exitcode\s*: 84", first)  # torchrun itself exits 1 and names the 84
@@ -485,17 +491,10 @@ def test_stock_flags_persistent_local_nan_takes_the_guards_rollback_path(loop_ki
     machine, handles both (skip, then rollback with exit 84), and the launcher resumes from the
     healthy checkpoint to the last iteration."""
     loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
-    save = tmp_path / "ckpt"
-    env = guard_env(tmp_path, inject=[f"nan:step=3,count=2,rank=1,phase=local,param={FC1}"])
-    command = loop.command("--save", str(save), "--load", str(save), "--save-interval", "2",
-                           *loop.checkpoint_format())
-    proc = subprocess.run([sys.executable, str(LAUNCHER), "--max-restarts", "2", "--", *command],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=REPO, env=env)
-    output = proc.stdout
-    assert proc.returncode == 0, output[-6000:]
+    first, second = rollback_run(loop, tmp_path, f"nan:step=3,count=2,rank=1,phase=local,param={FC1}")
+    output = first + second
     assert "Need to rerun step" not in output and "exitcode  : 17" not in output
 
-    first, second = output.split("[restart_on_rollback] attempt 2:")
     assert first.count("stopping with exit code 84") == 2
     found = incidents(tmp_path)
     assert [i["step"] for i in found] == [3, 4]
@@ -550,15 +549,8 @@ def test_rollback_loads_the_healthy_checkpoint_not_a_newer_non_persistent_one(lo
     that Megatron would load in preference to --ckpt-step; the rollback restart loads iteration 2."""
     loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
     save = tmp_path / "ckpt"
-    env = guard_env(tmp_path, inject=[f"nan:step=3,count=2,param={FC1}"])
-    command = loop.command("--save", str(save), "--load", str(save), "--save-interval", "2",
-                           "--non-persistent-save-interval", "1", "--non-persistent-ckpt-type", "global",
-                           *loop.checkpoint_format())
-    proc = subprocess.run([sys.executable, str(LAUNCHER), "--max-restarts", "2", "--", *command],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=REPO, env=env)
-    output = proc.stdout
-    assert proc.returncode == 0, output[-6000:]
-    first, second = output.split("[restart_on_rollback] attempt 2:")
+    first, second = rollback_run(loop, tmp_path, f"nan:step=3,count=2,param={FC1}",
+                                 "--non-persistent-save-interval", "1", "--non-persistent-ckpt-type", "global")
     assert (save / "non_persistent" / "iter_0000003").is_dir() or "non_persistent/iter_0000003" in first
     assert "non-persistent (global) checkpoints are not loaded on this restart" in second
     assert re.search(r"successfully loaded checkpoint from .* at iteration\s+2\b", second), second[-4000:]
