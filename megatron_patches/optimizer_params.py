@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from . import locate, variants
-from .collectives import collective_device
 
 
 @dataclass
@@ -93,23 +92,3 @@ def current_grads(optimizer: Any, entries: list[Entry]):
     decoupled = any(uses_decoupled_grad(leaf) for leaf in leaves(optimizer))
     for e in entries:
         yield e, (getattr(e.main, "decoupled_grad", None) if decoupled else e.main.grad)
-
-
-def local_nonfinite(chunks: list) -> torch.Tensor:
-    """1.0 when this rank's own gradients hold NaN/Inf before the data-parallel reduction:
-    one fused pass over DDP's contiguous gradient buffers (or the per-parameter grads)."""
-    tensors = []
-    for chunk in chunks:
-        buffers = list(getattr(chunk, "buffers", []) or []) + list(getattr(chunk, "expert_parallel_buffers", []) or [])
-        if buffers and all(hasattr(b, "grad_data") for b in buffers):
-            tensors += [b.grad_data for b in buffers]
-        else:
-            for p in chunk.parameters():
-                g = getattr(p, "main_grad", None)
-                g = g if g is not None else p.grad
-                if g is not None:
-                    tensors.append(g)
-    tensors = [t for t in tensors if t.numel() > 0]
-    if not tensors:
-        return torch.zeros((), device=collective_device())
-    return (~torch.isfinite(torch.stack(torch._foreach_norm(tensors)))).any().float()
