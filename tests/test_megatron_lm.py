@@ -556,3 +556,23 @@ def test_rollback_loads_the_healthy_checkpoint_not_a_newer_non_persistent_one(lo
     assert re.search(r"successfully loaded checkpoint from .* at iteration\s+2\b", second), second[-4000:]
     assert "resumed from healthy checkpoint iteration 2" in second
     assert sorted(iterations(second)) == [5, 6]
+
+
+@pytest.mark.multiproc
+def test_a_marker_that_cannot_be_written_never_ends_the_job(loop_kind, request, tmp_path):
+    """The guard's files beside a checkpoint fail to write (a directory already stands where the
+    marker and rank 0's state file go): the job trains on, that checkpoint is no rollback target,
+    the next one is marked healthy."""
+    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
+    save = tmp_path / "ckpt"
+    blocked = save / "iter_0000002"
+    (blocked / checkpoint.MARKER).mkdir(parents=True)
+    (blocked / megatron_lm.STATE_DIR / "rank_00000.json").mkdir(parents=True)
+    proc = subprocess.run(loop.command("--save", str(save), "--save-interval", "2", "--train-iters", "4",
+                                       *loop.checkpoint_format()),
+                          capture_output=True, text=True, timeout=600, cwd=REPO, env=guard_env(tmp_path))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "checkpoint iteration 2 could not be marked" in output and "guard state" in output
+    assert sorted(iterations(output)) == [1, 2, 3, 4]
+    assert {step: ok for step, _, ok in checkpoint.list_checkpoints(str(save))} == {4: True}

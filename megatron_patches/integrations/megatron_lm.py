@@ -354,7 +354,12 @@ class MegatronLMSession:
             return
         for directory, iteration, healthy, fields in self._pending_markers:
             if os.path.isdir(directory):
-                write_marker(directory, iteration, healthy, **fields)
+                try:
+                    write_marker(directory, iteration, healthy, **fields)
+                except OSError as exc:  # the guard's own file must not end the job (rank 0 only)
+                    log.warning("checkpoint iteration %d could not be marked (%s): without a marker it "
+                                "is never a rollback target; training goes on", iteration, exc)
+                    continue
                 log.info("checkpoint iteration %d marked %s%s", iteration, "healthy" if healthy else "NOT healthy",
                          f" ({fields['rerun']})" if fields.get("rerun") else "")
         self._pending_markers = []
@@ -377,8 +382,12 @@ class MegatronLMSession:
         if not os.path.isdir(directory):
             return
         path = state_file(directory, _rank())
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        checkpoint.write_json_atomic(path, self.monitor.state_dict())
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            checkpoint.write_json_atomic(path, self.monitor.state_dict())
+        except OSError as exc:
+            log.warning("guard state %s not saved (%s): a restart from this checkpoint starts a new "
+                        "detector baseline; training goes on", path, exc)
 
     def _load_state(self, root: Optional[str], iteration: int) -> None:
         """Detector baselines and counters as saved with the checkpoint Megatron just loaded, so
