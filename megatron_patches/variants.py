@@ -38,10 +38,26 @@ def refuse_args(args: Any) -> None:
         raise _unsupported(*problem)
 
 
+HIGH_AVAILABILITY_ARGS = ("enable_high_availability", "enable_elastic_training", "enable_worker_reboot",
+                          "enable_hbmfault_repair")
+"""MindSpeed-LLM's high-availability (MindIO TTP) arguments, each also set from its
+``HIGH_AVAILABILITY`` environment variable (dump, recover, retry, elastic-training). The last three
+act only together with the first; any of them is refused, named."""
+
+HIGH_AVAILABILITY_WHY = (
+    "MindIO TTP keeps each distributed-optimizer shard on several ranks, so the guard's total norm "
+    "would count it several times; elastic scale-in rewrites the world collectives the guard uses; "
+    "its PRECISION ERROR retry rewrites latest_checkpointed_iteration.txt, which bounds the rollback "
+    "target")
+
+
 def unsupported_flag(args: Any) -> Optional[tuple[str, str]]:
     """(flag, why) for the first unsupported variant in Megatron-LM's ``args``, or None."""
     on = lambda name: bool(getattr(args, name, False))  # noqa: E731
     size = lambda name: int(getattr(args, name, None) or 1)  # noqa: E731
+    for name in HIGH_AVAILABILITY_ARGS:
+        if on(name):
+            return "--" + name.replace("_", "-"), HIGH_AVAILABILITY_WHY
     if on("optimizer_cpu_offload"):
         return "--optimizer-cpu-offload", "HybridDeviceOptimizer steps CPU copies the guard does not see"
     if on("use_precision_aware_optimizer"):

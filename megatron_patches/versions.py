@@ -20,6 +20,14 @@ LINES = (
 )
 """The supported lines and the Python their wheels require (0.17+ wheels need 3.12)."""
 
+REFUSED = {
+    (0, 8): ("MindSpeed's older branches use it, but it lacks what the guard wraps: no "
+             "RerunStateMachine and no _ParamAndGradBucketGroup.check_grads (its NaN check is an "
+             "assert in Bucket.start_grad_sync that ends the job before the guard sees the "
+             "gradient); use 0.12.1 (MindSpeed's core_r0.12.1 branches, MindSpeed-LLM 2.2.0 and later)"),
+}
+"""Releases refused by name, with the reason (read off the core_v0.8.0 tag)."""
+
 
 def _minor(version: str) -> tuple[int, int]:
     match = re.match(r"\s*(\d+)\.(\d+)", version)
@@ -33,6 +41,12 @@ def supported_lines() -> str:
     return ", ".join(
         f"{lo[0]}.{lo[1]}-{hi[0]}.{hi[1]}{'/main' if hi >= (0, 20) else ''} "
         f"(Python >= {py[0]}.{py[1]})" for lo, hi, py, _ in LINES)
+
+
+def refusal(version: str) -> str | None:
+    """Why a release asked for by name is not supported, when it is one of :data:`REFUSED`."""
+    why = REFUSED.get(_minor(version))
+    return f"megatron-core {version} is not supported by megatron_patches: {why}" if why else None
 
 
 def python_needed(version: str) -> tuple[int, int] | None:
@@ -49,7 +63,7 @@ def problem(version: str, python: tuple[int, int] | None = None) -> str | None:
     python = python or tuple(sys.version_info[:2])
     needed = python_needed(version)
     if needed is None:
-        return (f"megatron-core {version} is not supported by megatron_patches; "
+        return refusal(version) or (f"megatron-core {version} is not supported by megatron_patches; "
                 f"supported: {supported_lines()}")
     if tuple(python) < needed:
         return (f"megatron-core {version} needs Python >= {needed[0]}.{needed[1]} and this is "

@@ -7,7 +7,7 @@ import logging
 import pytest
 import wrapt
 
-from megatron_patches import hooks, patching, runtime
+from megatron_patches import hooks, patching, runtime, versions
 from megatron_patches.config import Config
 from megatron_patches.errors import UnsupportedVersionError
 from megatron_patches.patching.registry import TARGETS, TRAINING_TARGETS
@@ -78,6 +78,19 @@ def test_unsupported_megatron_core_is_refused(clean_patches, version):
     with pytest.raises(UnsupportedVersionError, match=f"megatron-core {version} is not supported"):
         patching.install(version=version)
     assert patching.installed_targets() == []
+
+
+@pytest.mark.parametrize("version", ["0.8.0", "0.8.1"])
+def test_megatron_core_0_8_is_refused_by_name_with_the_reason(clean_patches, version):
+    # MindSpeed's older branches pair with 0.8: the reason, not just the supported list, in one line
+    # (from make install's version check and from install()).
+    with pytest.raises(UnsupportedVersionError) as caught:
+        patching.install(version=version)
+    for message in (str(caught.value), versions.problem(version)):
+        assert "\n" not in message and message.startswith(f"megatron-core {version} is not supported")
+        assert "MindSpeed" in message and "check_grads" in message and "use 0.12.1" in message
+    assert patching.installed_targets() == []
+    assert versions.problem("0.12.1", python=(3, 11)) is None
 
 
 def test_disabled_config_installs_nothing(clean_patches):

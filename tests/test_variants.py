@@ -41,6 +41,23 @@ def test_each_unchecked_variant_is_refused_in_one_line_naming_its_flag(flags, fl
     assert message.startswith(f"{flag} is not supported by megatron_patches yet")
 
 
+@pytest.mark.parametrize("name", variants.HIGH_AVAILABILITY_ARGS)
+def test_mindspeed_llm_high_availability_is_refused_by_name_with_the_reason(name):
+    # MindSpeed-LLM's MindIO TTP arguments (its HIGH_AVAILABILITY environment variable sets them too).
+    flag = "--" + name.replace("_", "-")
+    with pytest.raises(UnsupportedConfig) as caught:
+        variants.refuse_args(megatron_args(**{name: True, "use_distributed_optimizer": True}))
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"{flag} is not supported by megatron_patches yet")
+    assert "several ranks" in message and "latest_checkpointed_iteration.txt" in message
+    assert message.endswith(f"run without {flag}, or without the guard")
+
+
+def test_the_no_replica_option_alone_changes_nothing_and_passes():
+    # --distributed-optimizer-no-replica only acts under --enable-high-availability (refused above).
+    variants.refuse_args(megatron_args(distributed_optimizer_no_replica=True, use_distributed_optimizer=True))
+
+
 @pytest.mark.parametrize("flags", [
     {}, {"use_distributed_optimizer": True}, {"virtual_pipeline_model_parallel_size": 2},
     {"expert_model_parallel_size": None, "context_parallel_size": None},  # argparse defaults of old lines

@@ -42,6 +42,7 @@ from typing import Any, Optional
 import torch
 
 from .. import checkpoint, hooks
+from . import mindspeed_llm
 from ..response import EXIT_CRITICAL, EXIT_ROLLBACK
 
 log = logging.getLogger("megatron_patches")
@@ -253,7 +254,9 @@ class MegatronLMSession:
 
     # -- around each iteration ------------------------------------------------------------------
 
-    def before_step(self, optimizer: Any, scheduler: Any) -> None:
+    def before_step(self, optimizer: Any, scheduler: Any, skipped: bool = False) -> None:
+        """Before each ``train_step``; ``skipped``: one the guard skips for a loop that does not
+        read ``iterations_to_skip`` (the first call's after-load work only)."""
         from megatron.training import get_args
 
         args = get_args()
@@ -262,6 +265,8 @@ class MegatronLMSession:
         if self._first_step:
             self._first_step = False
             self._after_load(args, optimizer, scheduler)
+        if skipped:
+            return
         self.monitor.set_step(iteration)
         self.monitor.set_batch(_sample_positions(args), iteration=iteration,
                                consumed_train_samples=int(args.consumed_train_samples))
@@ -513,13 +518,21 @@ def scheduler_wrapper(wrapped, instance, args, kwargs):
 
 
 def train_step_wrapper(wrapped, instance, args, kwargs):
-    """``train_step(...)``: iteration and batch for the monitor; writers after the step."""
+    """``train_step(...)``: iteration and batch for the monitor; writers after the step. Called for
+    an iteration in ``iterations_to_skip`` (MindSpeed-LLM's loop does not read them), skips it
+    as Megatron-LM's loop would (:mod:`.mindspeed_llm`)."""
     monitor = hooks.get_monitor()
     if monitor is None:
         return wrapped(*args, **kwargs)
+    from megatron.training import get_args
+
     bound = inspect.signature(wrapped).bind(*args, **kwargs)
-    current = session(monitor)
-    current.before_step(bound.arguments["optimizer"], bound.arguments.get("opt_param_scheduler"))
+    current, megatron_args = session(monitor), get_args()
+    optimizer, scheduler = bound.arguments["optimizer"], bound.arguments.get("opt_param_scheduler")
+    if mindspeed_llm.listed(megatron_args, _core_version()):  # a loop that does not read the skips
+        current.before_step(optimizer, scheduler, skipped=True)
+        return mindspeed_llm.skip(megatron_args, bound.arguments["data_iterator"], _core_version())
+    current.before_step(optimizer, scheduler)
     result = wrapped(*args, **kwargs)
     current.after_step()
     return result

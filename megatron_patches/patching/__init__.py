@@ -61,6 +61,9 @@ def check_version(spec: str = MEGATRON_CORE_SUPPORTED, version: Optional[str] = 
 
     version = version or megatron_core_version()
     if Version(version) not in SpecifierSet(spec):
+        named = versions.refusal(version)
+        if named:
+            raise UnsupportedVersionError(named)
         raise UnsupportedVersionError(
             f"megatron-core {version} is not supported by megatron_patches (supported: {spec}, "
             f"that is {versions.supported_lines()}); install a supported release, e.g. "
