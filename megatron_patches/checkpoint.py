@@ -129,7 +129,11 @@ def save_checkpoint(root: str, step: int, model: Any, optimizer: Any, scheduler:
     dist_checkpointing.save(state, tmp)
     _barrier()
     if _rank() == 0:
-        write_marker(tmp, step, healthy)
+        try:
+            write_marker(tmp, step, healthy)
+        except OSError as error:  # the others wait at the barrier below: never raise here
+            log.warning("checkpoint step %d could not be marked (%s): without a marker it is never a "
+                        "rollback target", step, error)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _apply_retention(root, keep)

@@ -5,6 +5,7 @@ reduces a float32 copy and does not write the result back (docs/ascend.md)."""
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, Optional
 
 import torch
@@ -20,21 +21,62 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def gather_to_zero(obj: Any) -> list:
-    """Every rank's ``obj`` on rank 0 (a list by rank); an empty list elsewhere."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+class PeerLost(RuntimeError):
+    """A bounded collective failed: a peer died, or did not answer within the timeout."""
+
+
+_bounded: dict = {}  # timeout (s) -> the guard's own gloo group with that timeout
+
+
+def prepare_bounded(timeout_s: float) -> None:
+    """Create the guard's own gloo group for the slow path while every rank is known to be alive
+    (call on every rank at the same point: the first checked step). Creating it later, in an
+    incident a peer never reaches, would wait on the rendezvous store without a bound. Its
+    timeout bounds each wait, and gloo answers at once when a peer's process is gone. Object
+    collectives travel through the CPU, so the accelerator's queues play no part."""
+    if not _single() and timeout_s not in _bounded:
+        _bounded[timeout_s] = torch.distributed.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _bounded_group(timeout_s: Optional[float]):
+    if timeout_s is None:
+        return None
+    if timeout_s not in _bounded:
+        raise PeerLost("the guard's bounded group was not prepared at the first check (prepare_bounded)")
+    return _bounded[timeout_s]
+
+
+def _single() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
+
+
+def gather_to_zero(obj: Any, timeout_s: Optional[float] = None) -> list:
+    """Every rank's ``obj`` on rank 0 (a list by rank); an empty list elsewhere. With
+    ``timeout_s``, no rank waits longer than that: :class:`PeerLost` instead."""
+    if _single():
         return [obj]
     out = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
-    torch.distributed.gather_object(obj, out, dst=0)
+    try:
+        torch.distributed.gather_object(obj, out, dst=0, group=_bounded_group(timeout_s))
+    except (RuntimeError, ValueError) as error:  # gloo: "Connection closed by peer", "Timed out"
+        if timeout_s is None:
+            raise
+        raise PeerLost(f"gathering from every rank failed: {error}") from error
     return out or []
 
 
-def broadcast_from_zero(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+def broadcast_from_zero(obj: Any, timeout_s: Optional[float] = None) -> Any:
+    """Rank 0's ``obj`` on every rank, bounded like :func:`gather_to_zero`."""
+    if _single():
         return obj
     box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
+    try:
+        torch.distributed.broadcast_object_list(box, src=0, group=_bounded_group(timeout_s))
+    except (RuntimeError, ValueError) as error:
+        if timeout_s is None:
+            raise
+        raise PeerLost(f"the broadcast from rank 0 failed: {error}") from error
     return box[0]
 
 

@@ -7,11 +7,13 @@ silently. Every field has a default, so an empty file (or no file) is a working 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
 import types
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -117,9 +119,31 @@ class ConsistencyConfig:
     them). auto: grads, or params with the distributed optimizer."""
     interval: int = field(default=1, metadata={"check": _at_least_one})
     """Compare every N-th checked step only."""
-    sample_fraction: float = field(default=1.0, metadata={"check": _share})
-    """Checksum the bits of a rotating share of the tensors per check (the sum of squared
-    norms always covers all of them)."""
+    sample_fraction: float = field(default=0.0625, metadata={"check": _share})
+    """Checksum the bits of a rotating share of the tensors per check: the default, 1/16, reads
+    1/16 of the gradient (or parameter) memory per check and covers every tensor in 16 checks.
+    With grads the sum of squared norms still covers every tensor each check (the guard has
+    those norms already); with params it covers the same rotating share. 1.0: every tensor on
+    every check (one more full read)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeersConfig:
+    enabled: bool = True
+    """Judge each tensor's gradient against others of the same step: no history, so no warm-up
+    (the first step of a job, or after a restart, is judged like any other)."""
+    ratio: float = field(default=100.0, metadata={"check": _above_one})
+    """Flag a tensor inside a transformer layer whose norm relative to its layer (norm / the
+    median norm of the layer's tensors) is more than this many times the median of that
+    relative norm for the same tensor in the other layers."""
+    share_max: float = field(default=30.0, metadata={"check": _positive})
+    """Flag a tensor outside the layers (embeddings, final norm, output layer: no peers) whose
+    gradient norm is more than this many times the norm of the rest of the model."""
+    max_slots: int = field(default=4096, metadata={"check": _at_least_one})
+    """Floats for the layer tensors in the one all-reduce (32 more serve the others): layers x
+    tensors per layer of the whole model must fit, or the detector warns once and stays off."""
+    interval: int = field(default=1, metadata={"check": _at_least_one})
+    """Judge every N-th checked step only (the slots travel as zeros on the others)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,6 +158,8 @@ class DetectorsConfig:
     """Gradient-norm statistics over time: z-score outliers and drift (docs/detectors.md)."""
     consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
     """Cross-replica fingerprints: one data-parallel rank that disagrees (docs/detectors.md)."""
+    peers: PeersConfig = field(default_factory=PeersConfig)
+    """Each tensor against the same tensor in the other layers, from the first step (docs/detectors.md)."""
 
 
 def _non_negative(value: Any) -> Optional[str]:
@@ -148,9 +174,29 @@ def _http_url(value: Any) -> Optional[str]:
     return None
 
 
+def redact_url(url: str) -> str:
+    """``url`` with only its scheme and host left (``https://hooks.example/…``): webhook URLs
+    carry their token in the path, the query or the user part, so nothing else is shown."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme and parts.netloc:
+        return f"{parts.scheme}://{parts.hostname or '…'}/…"
+    host = url.split("/", 1)[0].split("?", 1)[0].rsplit("@", 1)[-1].strip()
+    return f"{host or '…'}/…"
+
+
+def redacted(data: dict) -> dict:
+    """A copy of a config mapping (as ``dataclasses.asdict`` gives) with every webhook URL cut to
+    its host, for files and messages a person reads."""
+    out = copy.deepcopy(data)
+    for hook in (out.get("alerts") or {}).get("webhooks") or []:
+        if isinstance(hook, dict) and isinstance(hook.get("url"), str):
+            hook["url"] = redact_url(hook["url"])
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class WebhookConfig:
-    url: str = field(default="", metadata={"check": _http_url})
+    url: str = field(default="", metadata={"check": _http_url, "secret": True})
     """Where alerts are POSTed as JSON (required; it often holds a token, so it is never logged)."""
     format: Literal["generic", "slack", "feishu", "dingtalk"] = "generic"
     """Body shape. generic: the incident record itself. slack: {"text": ...}. feishu:
@@ -205,6 +251,11 @@ class ResponseConfig:
     replay: bool = True
     """Where the training loop offers it, re-run the step's forward/backward to tell
     deterministic faults (data, numerics) from transient ones (hardware)."""
+    peer_timeout_s: float = field(default=300.0, metadata={"check": _positive})
+    """Longest any rank waits for the others in an incident's decision (the findings gathered
+    to rank 0, the decision broadcast back). When a peer died or stopped answering, every rank
+    still alive exits with code 87 within this time instead of waiting for the process group's
+    own timeout (Megatron's default: 10 minutes, then an abort)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -406,10 +457,18 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
     values = {}
     for name, value in data.items():
         where = prefix + name
-        converted = _convert(hints[name], value, where)
+        secret = known[name].metadata.get("secret", False)
+        try:
+            converted = _convert(hints[name], value, where)
+        except ConfigError:
+            if not secret:
+                raise
+            raise ConfigError(f"`{where}` must be {_describe(hints[name])} (the value is not shown: it may "
+                              "hold a token)") from None
         check = known[name].metadata.get("check")
         problem = check(converted) if check else None
         if problem:
-            raise ConfigError(f"`{where}` {problem}, got {value!r}")
+            shown = redact_url(value) if secret else value  # a webhook URL holds its token
+            raise ConfigError(f"`{where}` {problem}, got {shown!r}")
         values[name] = converted
     return cls(**values)

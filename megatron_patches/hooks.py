@@ -58,6 +58,10 @@ def register_model(optimizer: Any, model_chunks: list) -> None:
     _model_chunks[optimizer] = chunks
     for leaf in getattr(optimizer, "chained_optimizers", ()):
         _model_chunks[leaf] = chunks
+    if _monitor is not None and _monitor.injector.forward_specs():
+        from . import forward_origin
+
+        forward_origin.attach_drills(_monitor, chunks)
 
 
 def _checked_prepare(optimizer: Any, call: Callable[[], bool]) -> bool:
@@ -88,6 +92,18 @@ def clip_grad_norm_wrapper(wrapped, instance, args, kwargs):
     without going through ``prepare_grads`` first; bad gradients are zeroed before clipping."""
     if _monitor is not None and not _inside_check.get():
         _monitor.before_direct_clip(instance)
+    return wrapped(*args, **kwargs)
+
+
+def get_grad_norm_wrapper(wrapped, instance, args, kwargs):
+    """wrapt wrapper for ``get_grad_norm``: right after the guard checked these gradients, the
+    total norm of its own pass; Megatron's computation otherwise (:mod:`megatron_patches.served_norm`)."""
+    if getattr(_monitor, "checked_norm", None) is not None:
+        from . import served_norm
+
+        norm = served_norm.take(_monitor, instance)
+        if norm is not None:
+            return norm
     return wrapped(*args, **kwargs)
 
 

@@ -6,12 +6,21 @@ factor 1.5: an explosion building up), ``bitflip`` (flip one bit of one element:
 0-based from the least significant, default the highest exponent bit), ``saturate`` (one
 element set to the dtype's largest finite value, as an Ascend part in saturation mode
 reports an overflow), ``poison`` (``poison:sample=I``: sample I gives a non-finite loss
-every time it is fed; the training loop applies it, see :meth:`Injector.poisoned`). Keys: ``step``
+every time it is fed; the training loop applies it, see :meth:`Injector.poisoned`), ``kill``
+(``kill:step=S,rank=R``: that rank's process dies by SIGKILL when the incident of step S is being
+decided, after its check and before the ranks agree: a card or host lost mid-incident; it needs
+a fault at step S to act on, e.g. ``nan:step=S``). Keys: ``step``
 (required, 1-based optimizer step), ``param`` (fnmatch pattern on the global parameter name;
 default: the model's first parameter in forward order), ``rank`` (global rank; default all),
 ``count`` (consecutive steps, default 1), ``phase`` (``grad``: the gradient the optimizer
 sees, default; ``local``: this rank's gradient before the data-parallel reduction, so it
-spreads like a faulty card's would), ``factor`` (spike and growth), ``bit`` (bitflip only).
+spreads like a faulty card's would; ``forward``: the output of ``module`` in the forward pass,
+so the loss and then every gradient go non-finite, see :mod:`megatron_patches.forward_origin`),
+``module`` (phase forward only, required: fnmatch pattern on the global dotted module name, as
+``named_modules()`` gives it without wrapper prefixes, e.g. ``decoder.layers.1.mlp``),
+``factor`` (spike and growth), ``bit`` (bitflip only). A forward drill models a module whose
+computation breaks on that step's input: it fires on every forward of its steps, a replay
+included, and not when the step is reached again after a rollback.
 
 An injection is an event in time: each (spec, step) fires once, so steps replayed after a
 rollback are not injected again. What actually fired (spec, parameter or sample, rank) is kept
@@ -29,9 +38,10 @@ import torch
 
 from .errors import ConfigError
 
-KINDS = ("nan", "inf", "spike", "bitflip", "saturate", "poison", "growth")
-PHASES = ("grad", "local")
-_KEYS = ("step", "param", "rank", "count", "phase", "factor", "sample", "bit")
+KINDS = ("nan", "inf", "spike", "bitflip", "saturate", "poison", "growth", "kill")
+PHASES = ("grad", "local", "forward")
+_KEYS = ("step", "param", "rank", "count", "phase", "factor", "sample", "bit", "module")
+_FORWARD_KINDS = ("nan", "inf", "spike")
 
 
 @dataclass(frozen=True)
@@ -45,10 +55,12 @@ class InjectionSpec:
     factor: float = 1.0e4
     sample: Optional[int] = None
     bit: Optional[int] = None
+    module: Optional[str] = None
     text: str = ""
 
     def covers(self, step: int) -> bool:
-        return self.kind != "poison" and self.step <= step < self.step + self.count
+        """Whether this gradient drill is due at ``step`` (poison and kill act elsewhere)."""
+        return self.kind not in ("poison", "kill") and self.step <= step < self.step + self.count
 
 
 def _int(key: str, value: str, text: str, minimum: int) -> int:
@@ -79,6 +91,8 @@ def parse_spec(text: str) -> InjectionSpec:
         return InjectionSpec(kind=kind, step=0, sample=_int("sample", values["sample"], text, 0), text=text.strip())
     if "sample" in values:
         raise ConfigError(f"injection {text!r}: sample applies to poison only")
+    if kind == "kill" and not {"step", "rank"} <= set(values) <= {"step", "rank"}:
+        raise ConfigError(f"injection {text!r}: kill takes exactly step=S and rank=R")
     if "step" not in values:
         raise ConfigError(f"injection {text!r}: step=N is required")
     spec = dict(kind=kind, text=text.strip(), step=_int("step", values["step"], text, 1))
@@ -92,6 +106,13 @@ def parse_spec(text: str) -> InjectionSpec:
         if values["phase"] not in PHASES:
             raise ConfigError(f"injection {text!r}: phase must be one of {', '.join(PHASES)}, got {values['phase']!r}")
         spec["phase"] = values["phase"]
+    if spec.get("phase") == "forward":
+        if kind not in _FORWARD_KINDS or "module" not in values or "param" in values:
+            raise ConfigError(f"injection {text!r}: phase=forward takes module=NAME (a module's dotted name) "
+                              f"and no param, with kind {', '.join(_FORWARD_KINDS)}")
+        spec["module"] = values["module"]
+    elif "module" in values:
+        raise ConfigError(f"injection {text!r}: module applies to phase=forward only")
     if kind == "growth":
         spec["factor"] = 1.5
     if "bit" in values:
@@ -139,6 +160,7 @@ class Injector:
         training loop asks :meth:`poisoned` without saying which step it is on)."""
         self.specs = tuple(specs)
         self._fired: set[tuple[int, int]] = set()
+        self._started: set[int] = set()  # forward drills that fired (they may fire again in a replay)
         self._clock = clock
         self._log: dict[int, list[dict]] = {}  # step -> what fired at it on this rank
 
@@ -158,7 +180,29 @@ class Injector:
             del self._log[old]
 
     def __bool__(self) -> bool:
-        return any(s.kind != "poison" for s in self.specs)
+        """Whether any gradient drill is configured (the hooks then hand gradients over)."""
+        return any(s.kind not in ("poison", "kill") and s.phase != "forward" for s in self.specs)
+
+    def forward_specs(self) -> list[tuple[int, InjectionSpec]]:
+        return [(i, s) for i, s in enumerate(self.specs) if s.phase == "forward"]
+
+    def forward_due(self, index: int, step: int, rank: int, module: str) -> bool:
+        """Whether forward drill ``index`` corrupts ``module``'s output now; notes it if so.
+        Not marked spent: the replay of the step breaks the same way (see spend_started)."""
+        spec = self.specs[index]
+        if not (spec.covers(step) and (index, step) not in self._fired and spec.rank in (None, rank)):
+            return False
+        self._started.add(index)
+        self._note(step, {"drill": spec.text, "rank": rank, "module": module})
+        return True
+
+    def kills(self, step: int, rank: int) -> bool:
+        """Whether a ``kill`` drill ends this rank in the incident of ``step`` (once)."""
+        for index, spec in enumerate(self.specs):
+            if spec.kind == "kill" and spec.step == step and spec.rank == rank and (index, step) not in self._fired:
+                self._fired.add((index, step))
+                return True
+        return False
 
     def poisoned(self, samples: Iterable[int]) -> set[int]:
         """The sample indices among ``samples`` that a ``poison`` spec marks."""
@@ -173,7 +217,7 @@ class Injector:
 
     def fired_specs(self) -> list[str]:
         """Texts of the specs that have fired at least once."""
-        return sorted({self.specs[i].text for i, _ in self._fired})
+        return sorted({self.specs[i].text for i, _ in self._fired} | {self.specs[i].text for i in self._started})
 
     def spend(self, texts: Iterable[str]) -> None:
         """Mark these specs as fully fired (read from the ledger after a restart)."""
@@ -186,7 +230,7 @@ class Injector:
         """After a rollback: a fault that has begun is over (an event in time), so steps
         replayed or reached again do not fire it."""
         for index, spec in enumerate(self.specs):
-            if any(i == index for i, _ in self._fired):
+            if index in self._started or any(i == index for i, _ in self._fired):
                 self._fired.update((index, s) for s in range(spec.step, spec.step + spec.count))
 
     def due(self, step: int, phase: str, rank: int) -> list[tuple[int, InjectionSpec]]:

@@ -110,29 +110,61 @@ def device_name() -> str:
     return f"cpu (LOCAL_RANK={os.environ.get('LOCAL_RANK', '0')})"
 
 
-def name_parameters(model_chunks: list) -> dict[int, ParamInfo]:
-    """``{id(param): ParamInfo}`` for every parameter of this rank's model chunks."""
+def _layer_renames(model: Any) -> dict[str, str]:
+    """Stage-local ``...layers.i.`` -> global ``...layers.(layer_number - 1).`` prefixes."""
+    renames = {}
+    for mod_name, module in model.named_modules():
+        match = _LAYER_PATH.match(mod_name)
+        number = getattr(module, "layer_number", None)
+        if match and isinstance(number, int):
+            renames[mod_name + "."] = f"{match['prefix']}.{number - 1}."
+    return renames
+
+
+def _global_name(raw_name: str, renames: dict[str, str]) -> str:
+    name = _strip_wrappers(raw_name)
+    for old, new in renames.items():
+        if (name + ".").startswith(old):
+            return (new + (name + ".")[len(old):]).rstrip(".")
+    return name
+
+
+def _stage_of(chunk_index: int) -> int:
     ps = _parallel_state()
     pp_rank = ps.get_pipeline_model_parallel_rank() if ps else 0
     pp_size = ps.get_pipeline_model_parallel_world_size() if ps else 1
+    return chunk_index * pp_size + pp_rank
+
+
+def layer_of(name: str) -> Optional[int]:
+    """The transformer layer a global parameter or module name is in (None outside the layers)."""
+    match = _LAYER_IN_NAME.search(name + ".")
+    return int(match.group(1)) if match else None
+
+
+def name_modules(model_chunks: list) -> list[tuple[str, int, torch.nn.Module]]:
+    """(global dotted name, pipeline stage, module) for every named submodule of this rank's
+    chunks: ``named_modules()`` names without wrapper prefixes, global layer numbers."""
+    named = []
+    for chunk_index, chunk in enumerate(model_chunks):
+        model = _unwrap(chunk)
+        renames = _layer_renames(model)
+        stage = _stage_of(chunk_index)
+        named += [(_global_name(raw, renames), stage, module) for raw, module in model.named_modules() if raw]
+    return named
+
+
+def name_parameters(model_chunks: list) -> dict[int, ParamInfo]:
+    """``{id(param): ParamInfo}`` for every parameter of this rank's model chunks."""
+    ps = _parallel_state()
     tp_rank = ps.get_tensor_model_parallel_rank() if ps else 0
     infos: dict[int, ParamInfo] = {}
     for chunk_index, chunk in enumerate(model_chunks):
         model = _unwrap(chunk)
-        # Stage-local "layers.i" -> global "layers.(layer_number-1)".
-        renames = {}
-        for mod_name, module in model.named_modules():
-            match = _LAYER_PATH.match(mod_name)
-            number = getattr(module, "layer_number", None)
-            if match and isinstance(number, int):
-                renames[mod_name + "."] = f"{match['prefix']}.{number - 1}."
-        stage = chunk_index * pp_size + pp_rank
+        renames = _layer_renames(model)
+        stage = _stage_of(chunk_index)
         for position, (raw_name, param) in enumerate(model.named_parameters()):
-            name = _strip_wrappers(raw_name)
-            for old, new in renames.items():
-                if name.startswith(old):
-                    name = new + name[len(old):]
-                    break
+            name = _global_name(raw_name, renames)
             layer_match = _LAYER_IN_NAME.search(name)
             tp_param = bool(getattr(param, "tensor_model_parallel", False))
             infos[id(param)] = ParamInfo(

@@ -13,6 +13,7 @@ import copy
 import logging
 import math
 import os
+import signal
 import sys
 import weakref
 from dataclasses import asdict
@@ -21,8 +22,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import detectors as detector_plugins
-from . import hooks, locate
-from .collectives import broadcast_from_zero, collective_device, gather_to_zero
+from . import hooks, locate, served_norm
+from .collectives import PeerLost, broadcast_from_zero, collective_device, gather_to_zero, prepare_bounded
 from .config import Config
 from .detectors import CheckContext
 from .incidents import (
@@ -36,12 +37,14 @@ from .incidents import (
 )
 from .inject import Injector, parse_spec
 from .optimizer_params import Entry, build_entries, current_grads, leaves
-from .response import EXIT_CRITICAL, EXIT_ROLLBACK, EXIT_STOP, Decision, GradePolicy
+from .response import EXIT_CRITICAL, EXIT_PEER_LOST, EXIT_ROLLBACK, EXIT_STOP, Decision, GradePolicy
 
 log = logging.getLogger("megatron_patches")
 
-# Slots of the reduced vector ahead of the per-layer sums of squares.
-_NONFINITE, _OVER_PARAM, _SATURATED, _TOTAL_SQ, _HEAD = 0, 1, 2, 3, 4
+# Slots of the reduced vector ahead of the per-layer sums of squares. _ORIGINS counts the ranks
+# whose own gradients were non-finite before the data-parallel reduction: which ranks they were is
+# gathered on the slow path, so the vector's size does not grow with the world.
+_NONFINITE, _OVER_PARAM, _SATURATED, _TOTAL_SQ, _ORIGINS, _HEAD = 0, 1, 2, 3, 4, 5
 
 
 def resolve_overflow_mode(mode: str) -> str:
@@ -98,8 +101,11 @@ class GradMonitor:
             "incidents": 0,
             "scaler_overflows": 0,
             "injected": 0,
+            "served_norms": 0,
         }
         self.last_total_norm: Optional[float] = None
+        self.checked_norm: Optional[served_norm.CheckedNorm] = None
+        """The last check's total norm, until Megatron's get_grad_norm takes it (served_norm)."""
         self.last_layer_norms: dict[str, float] = {}
         """Per-layer gradient norms of the last checked step (keys as in grad_history.jsonl)."""
         self.policy = GradePolicy(config)
@@ -109,8 +115,9 @@ class GradMonitor:
         """Set by an in-process recovery executor (it replays and rolls back); None means the
         monitor itself stops the job on stop/rollback (exit-and-restart)."""
         self.rollbacks = 0
-        self.on_exit: list[Callable[[int], None]] = []
-        """Called with the exit code before the monitor ends the process (writes the ledger)."""
+        self.on_exit: list[Callable[[int], Optional[int]]] = []
+        """Called in order with the exit code before the monitor ends the process (writes the
+        ledger); one that returns a code replaces it for the callbacks after it and the exit."""
         self._origin_flag: Optional[torch.Tensor] = None
         self._origin_norms: Optional[tuple] = None  # (chunks, params, device norms) before the reduction
         self._pre_reduction: list[ParamFinding] = []
@@ -330,11 +337,9 @@ class GradMonitor:
         grads = [g for _, g in pairs]
         device = grads[0].device if grads else collective_device()
         num_slots = self._num_slots[id(optimizer)]
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        vec = torch.zeros(_HEAD + num_slots + self._detector_width + world, dtype=torch.float32, device=device)
-        if self._origin_flag is not None:  # one slot per global rank: the SUM is an all-gather
-            vec[-world + self.rank] = self._origin_flag.to(device)
-            self._origin_flag = None
+        vec = torch.zeros(_HEAD + num_slots + self._detector_width, dtype=torch.float32, device=device)
+        if self._origin_flag is not None:
+            vec[_ORIGINS] = self._origin_flag.to(device)
         ctx = CheckContext(step=step, entries=live, grads=grads, norms=None, device=device)
         maxabs = None
         if grads:
@@ -361,7 +366,9 @@ class GradMonitor:
     def _check(self, optimizer: Any, entries: list[Entry], step: int, action: str = "skip_step") -> bool:
         pre_reduction, self._pre_reduction = self._pre_reduction, []
         origin_norms, self._origin_norms = self._origin_norms, None
+        origin_flag, self._origin_flag = self._origin_flag, None
         ctx, maxabs, vec = self._local_stats(optimizer, entries, step)
+        prepare_bounded(self.config.response.peer_timeout_s)  # once, while every rank is here
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(vec)  # every rank joins, stub optimizers included
         values = vec.tolist()  # the one host read of a checked step
@@ -374,6 +381,7 @@ class GradMonitor:
             self.injector.forget_before(step)
             self.counters["checked_steps"] += 1
             self.last_total_norm = total_norm
+            served_norm.remember(self, optimizer, step, total_norm, entries, ctx.grads)
             self.last_layer_norms = dict(zip(_slot_names(num_slots), ctx.layer_norms))
             self._write_history(step, total_norm, layer_sq)
         magnitude = self.config.detectors.magnitude
@@ -387,12 +395,10 @@ class GradMonitor:
             reduced[detector.name] = values[offset:offset + width]
             kinds += detector.verdict(ctx, reduced[detector.name])
             offset += width
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        origins = [r for r, flag in enumerate(values[len(values) - world:]) if flag > 0]
         # A rank whose own gradients were non-finite before the reduction flags the step even where
         # the reduced gradients escape this check (Megatron's bucket check was left to us).
         flagged = bool(values[_NONFINITE] or values[_OVER_PARAM] or values[_SATURATED] or total_over
-                       or kinds or origins)
+                       or kinds or values[_ORIGINS])
         if self._replaying:
             for detector in self.detectors:
                 detector.commit(ctx, accepted=False)  # judged, but baselines stay as they were
@@ -401,9 +407,11 @@ class GradMonitor:
             for detector in self.detectors:
                 detector.commit(ctx, accepted=True)
             return False
-        if self.rank in origins and not pre_reduction:  # name this rank's own faulty gradients
+        # Slow path from here: reading this rank's own flag costs nothing on a quiet step.
+        own_origin = origin_flag is not None and bool(origin_flag.item() > 0)
+        if own_origin and not pre_reduction:  # name this rank's own faulty gradients
             pre_reduction = self._origin_findings(origin_norms)
-        skip = self._incident(ctx, maxabs, total_over, kinds, reduced, action, origins, pre_reduction)
+        skip = self._incident(ctx, maxabs, total_over, kinds, reduced, action, own_origin, pre_reduction)
         for detector in self.detectors:
             detector.commit(ctx, accepted=not skip)
         return skip
@@ -448,58 +456,32 @@ class GradMonitor:
         return findings
 
     def _incident(self, ctx: CheckContext, maxabs, total_over: bool, kinds: list, reduced: dict,
-                  action: str, origins: list, pre_reduction: list) -> bool:
+                  action: str, own_origin: bool, pre_reduction: list) -> bool:
         step = ctx.step
         findings = self._findings(ctx, maxabs, total_over)
-        everyone = gather_to_zero({"findings": findings, "batch": self._batch, "ranks": locate.rank_info(),
-                                   "pre_reduction": pre_reduction, "injected": self.injector.fired_at(step)})
+        if self.injector.kills(step, self.rank):  # drill: this rank is lost in mid-incident
+            os.kill(os.getpid(), signal.SIGKILL)
+        timeout = self.config.response.peer_timeout_s
         record: dict = {}
         decision = None
-        if self.rank == 0:
-            found = [f for part in everyone for f in part["findings"]]
-            before = [f for part in everyone for f in part["pre_reduction"]]
-            reasons = {r for f in found + before for r in f.reasons}
-            found_kinds = [k for k in ("nan", "inf", "overflow", "magnitude") if k in reasons or
-                           (k == "magnitude" and "magnitude_total" in reasons)]
-            found_kinds += [k for k in kinds if k not in found_kinds]
-            kind = found_kinds[0] if found_kinds else "magnitude"
-            dp_of = {part["ranks"]["global"]: part["ranks"]["dp"] for part in everyone}
-            replicas = len({dp_of.get(r, r) for r in origins})
-            if action == "skip_step":
-                decision = self.policy.grade(step, replicas, self.rollbacks, can_replay=self.executor is not None)
-            else:  # direct clip_grad_norm callers: nothing to skip, gradients are zeroed
-                decision = Decision("warning", action, "checked in clip_grad_norm", step)
-            decision.origins = origins
-            extra: dict[str, Any] = {}
-            for detector in self.detectors:
-                extra.update(detector.extra(ctx, reduced[detector.name]))
-            # The origin leads: a fault that entered a rank's own gradient before the reduction is
-            # named there (host and device of that rank), not where the reduction carried it.
-            origin = max(before, key=lambda f: f.order) if before else None
-            reached = sorted({dp_of.get(f.ranks["global"], f.ranks["global"]) for f in found + before}
-                             | {dp_of.get(r, r) for r in origins})
-            message = _describe(kind, found, ctx.total_norm, origin=origin)
-            if before:
-                extra["pre_reduction"] = [asdict(f) for f in before]
-            if origins:
-                world = locate.world_layout()
-                extra["replicas_reached"] = len(reached)
-                message += (f"; entered on rank(s) {origins} before the data-parallel reduction, reached "
-                            f"{len(reached)} of {world['dp'] * world['cp']} data-parallel replica(s)")
-            record = make_record(
-                step=step, severity=decision.severity, kind=kind, kinds=found_kinds, action=decision.action,
-                message=message, params=found, first=origin,
-                ranks_affected=[f.ranks["global"] for f in found], world=locate.world_layout(),
-                total_norm=finite_or_none(ctx.total_norm),
-                batch={**self._batch_info, "samples": sorted({i for part in everyone for i in part["batch"]})},
-                injected=[e for part in everyone for e in part["injected"]],
-                origin_ranks=origins, reason=decision.reason, **extra,
-            )
-            self.last_incident_first = record["first"]
-            self.last_incident_ranks = record["ranks_affected"]
-            log.warning("step %d: %s: %s -> %s (%s)", step, decision.severity, record["message"],
-                        decision.action, decision.reason)
-        decision = broadcast_from_zero(decision)
+        try:
+            everyone = gather_to_zero({"findings": findings, "batch": self._batch, "ranks": locate.rank_info(),
+                                       "pre_reduction": pre_reduction, "origin": own_origin,
+                                       "checked": len(ctx.entries),
+                                       "injected": self.injector.fired_at(step)}, timeout)
+            if self.rank == 0:
+                # Nothing may escape between the gather and the broadcast: the other ranks wait in it.
+                try:
+                    decision, record = self._decide(ctx, everyone, total_over, kinds, reduced, action)
+                except Exception as error:
+                    log.exception("step %d: the guard failed while deciding on an incident", step)
+                    decision = Decision("critical", "stop", f"the guard failed while deciding on this incident "
+                                        f"({type(error).__name__}: {error}); stopped rather than apply "
+                                        "gradients nobody judged", step)
+                    record = self._fallback_record(ctx, decision)
+            decision = broadcast_from_zero(decision, timeout)
+        except PeerLost as error:
+            self._peer_lost(step, error)
         self.decision = decision
         self.counters["incidents"] += 1
         if decision.action == "skip_step":
@@ -523,6 +505,90 @@ class GradMonitor:
                       EXIT_ROLLBACK if decision.action == "rollback" else EXIT_STOP)
         return decision.action != "continue"
 
+    def _decide(self, ctx: CheckContext, everyone: list, total_over: bool, kinds: list, reduced: dict,
+                action: str) -> tuple[Decision, dict]:
+        """Rank 0: grade the incident from every rank's findings and assemble its record."""
+        step = ctx.step
+        found = [f for part in everyone for f in part["findings"]]
+        before = [f for part in everyone for f in part["pre_reduction"]]
+        origins = sorted(part["ranks"]["global"] for part in everyone if part["origin"])
+        reasons = {r for f in found + before for r in f.reasons}
+        found_kinds = [k for k in ("nan", "inf", "overflow", "magnitude") if k in reasons or
+                       (k == "magnitude" and "magnitude_total" in reasons)]
+        found_kinds += [k for k in kinds if k not in found_kinds]
+        kind = found_kinds[0] if found_kinds else "magnitude"
+        dp_of = {part["ranks"]["global"]: part["ranks"]["dp"] for part in everyone}
+        replicas = len({dp_of.get(r, r) for r in origins})
+        if action == "skip_step":
+            decision = self.policy.grade(step, replicas, self.rollbacks, can_replay=self.executor is not None)
+        else:  # direct clip_grad_norm callers: nothing to skip, gradients are zeroed
+            decision = Decision("warning", action, "checked in clip_grad_norm", step)
+        decision.origins = origins
+        extra: dict[str, Any] = {}
+        for detector in self.detectors:
+            extra.update(detector.extra(ctx, reduced[detector.name]))
+        # The origin leads: a fault that entered a rank's own gradient before the reduction is
+        # named there (host and device of that rank), not where the reduction carried it.
+        origin = max(before, key=lambda f: f.order) if before else None
+        reached = sorted({dp_of.get(f.ranks["global"], f.ranks["global"]) for f in found + before}
+                         | {dp_of.get(r, r) for r in origins})
+        message = _describe(kind, found, ctx.total_norm, origin=origin)
+        if before:
+            extra["pre_reduction"] = [asdict(f) for f in before]
+        checked = sum(part["checked"] for part in everyone)
+        if checked and sum(1 for f in found if f.nan or f.inf) >= checked:
+            # Backward spreads a broken forward pass to every gradient; the tensor nearest the
+            # output comes first in backward order, but it is where the fault arrived last.
+            extra["all_gradients_nonfinite"] = True
+            message += ("; every gradient is non-finite: the loss or an activation went non-finite in the "
+                        "forward pass, so the output layer named first is not the suspect")
+        if origins:
+            world = locate.world_layout()
+            extra["replicas_reached"] = len(reached)
+            message += (f"; entered on rank(s) {origins} before the data-parallel reduction, reached "
+                        f"{len(reached)} of {world['dp'] * world['cp']} data-parallel replica(s)")
+        record = make_record(
+            step=step, severity=decision.severity, kind=kind, kinds=found_kinds, action=decision.action,
+            message=message, params=found, first=origin,
+            ranks_affected=[f.ranks["global"] for f in found], world=locate.world_layout(),
+            total_norm=finite_or_none(ctx.total_norm),
+            batch={**self._batch_info, "samples": sorted({i for part in everyone for i in part["batch"]})},
+            injected=[e for part in everyone for e in part["injected"]],
+            origin_ranks=origins, reason=decision.reason, **extra,
+        )
+        self.last_incident_first = record["first"]
+        self.last_incident_ranks = record["ranks_affected"]
+        log.warning("step %d: %s: %s -> %s (%s)", step, decision.severity, record["message"],
+                    decision.action, decision.reason)
+        return decision, record
+
+    def _fallback_record(self, ctx: CheckContext, decision: Decision) -> dict:
+        """The record of an incident the guard failed to assemble: what is known for sure."""
+        try:
+            return make_record(step=ctx.step, severity=decision.severity, kind="guard_error", kinds=["guard_error"],
+                               action=decision.action, message=decision.reason, params=[], ranks_affected=[],
+                               world=locate.world_layout(), total_norm=finite_or_none(ctx.total_norm),
+                               reason=decision.reason)
+        except Exception:
+            log.exception("step %d: no record could be made of this incident", ctx.step)
+            return {}
+
+    def _peer_lost(self, step: int, error: Exception) -> None:
+        """A peer died or went silent during an incident's decision: nothing can be agreed on any
+        more. Flush what this rank holds, then end the process at once: a barrier, Megatron's
+        teardown or an exit callback would wait for the lost peer (under nccl up to the process
+        group's timeout), so none of them runs."""
+        log.error("step %d: a peer was lost while the ranks agreed on an incident (%s); exiting with code %d "
+                  "within response.peer_timeout_s=%gs; restart the job (nothing was decided, no ledger written)",
+                  step, error, EXIT_PEER_LOST, self.config.response.peer_timeout_s)
+        try:
+            self.close()
+        finally:
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_PEER_LOST)
+
     def replay_check(self, optimizer: Any, step: int) -> dict:
         """Run the check on gradients a loop has just recomputed for ``step`` (no update, no new
         incident). Returns ``{"flagged", "first"}``, identical on every rank."""
@@ -536,11 +602,15 @@ class GradMonitor:
 
     def _replay_verdict(self, ctx: CheckContext, maxabs, total_over: bool, flagged: bool) -> bool:
         first = None
-        if flagged:
-            everyone = gather_to_zero(self._findings(ctx, maxabs, total_over))
-            found = [f for part in everyone for f in part]
-            first = max(found, key=lambda f: f.order).name if found else None
-        self._replay_result = broadcast_from_zero({"flagged": flagged, "first": first})
+        timeout = self.config.response.peer_timeout_s
+        try:
+            if flagged:
+                everyone = gather_to_zero(self._findings(ctx, maxabs, total_over), timeout)
+                found = [f for part in everyone for f in part]
+                first = max(found, key=lambda f: f.order).name if found else None
+            self._replay_result = broadcast_from_zero({"flagged": flagged, "first": first}, timeout)
+        except PeerLost as error:
+            self._peer_lost(ctx.step, error)
         return True
 
     def resolve(self, **fields: Any) -> None:
@@ -558,7 +628,7 @@ class GradMonitor:
         """Stop this rank cleanly: flush scenes and alerts, then exit with ``code``. Every rank
         reaches this from the same broadcast decision, so none is left waiting in a collective."""
         for callback in self.on_exit:
-            callback(code)
+            code = callback(code) or code  # a callback may turn the code into a stop
         self.close()
         log.warning("stopping with exit code %d", code)
         if torch.distributed.is_initialized():
@@ -580,6 +650,8 @@ class GradMonitor:
 
     def _publish(self, record: dict, scene: Optional[tuple] = None) -> None:
         """Hand the complete record on: the scene writer and the alert sinks get their own copies."""
+        if not record:  # nothing could be assembled (see _fallback_record): nothing to hand on
+            return
         if scene is not None:
             self._submit_scene(scene, record)
         self._write_incident(record)

@@ -192,9 +192,11 @@ class InProcessRecovery:
         if decision is None:
             return None
         self._episode_samples += batch_samples
-        verdict, reproduced = None, []
+        verdict, reproduced, found = None, [], {}
         if decision.replay:
-            replay = self.loop.replay_step(step)
+            replay, origin = self._traced_replay(step)
+            if origin is not None:
+                found["forward_origin"] = origin
             first = (self.monitor.last_incident_first or {}).get("name")
             if replay["flagged"]:
                 verdict = {"verdict": "deterministic",
@@ -207,19 +209,32 @@ class InProcessRecovery:
         if decision.action == "rollback":
             if self.config.blacklist == "always":
                 blacklisted = sorted(set(blacklisted) | set(self._episode_samples))
-            return self._rollback(step, decision, verdict, blacklisted)
+            return self._rollback(step, decision, verdict, blacklisted, found)
         if blacklisted:
             self._add_blacklist(blacklisted)
             self._save_ledger()
-        self.monitor.resolve(replay=verdict, blacklisted=blacklisted)
+        self.monitor.resolve(replay=verdict, blacklisted=blacklisted, **found)
         if decision.action == "stop":
             self.monitor.exit(EXIT_CRITICAL if decision.severity == "critical" else EXIT_STOP)
         return None
 
-    def _rollback(self, step: int, decision: Any, verdict: Optional[dict], blacklisted: list) -> int:
+    def _traced_replay(self, step: int) -> tuple[dict, Optional[dict]]:
+        """Replay ``step`` with every module's output watched: the replay's verdict, and where
+        the forward pass first went non-finite (rank 0; None elsewhere or when it stayed finite)."""
+        from . import forward_origin, hooks
+
+        chunks = [chunk for chunk_list in hooks.known_model_chunks() for chunk in chunk_list]
+        self.monitor.set_step(step)  # the replayed forward is step ``step`` again (forward drills)
+        with forward_origin.ForwardTrace(chunks) as trace:
+            replay = self.loop.replay_step(step)
+        return replay, forward_origin.gather_origin(trace, self.monitor.config.response.peer_timeout_s)
+
+    def _rollback(self, step: int, decision: Any, verdict: Optional[dict], blacklisted: list,
+                  found: Optional[dict] = None) -> int:
+        found = found or {}
         target = checkpoint.newest_healthy(self.loop.checkpoint_root)
         if target is None:
-            self.monitor.resolve(replay=verdict, blacklisted=blacklisted, severity="critical",
+            self.monitor.resolve(replay=verdict, blacklisted=blacklisted, **found, severity="critical",
                                  action="stop", reason=decision.reason + "; no healthy checkpoint to roll back to")
             self.monitor.exit(EXIT_CRITICAL)
         healthy_step, path = target
@@ -236,7 +251,7 @@ class InProcessRecovery:
         self.monitor.injector.spend_started(step)
         self._episode_samples = []
         self.monitor.resolve(replay=verdict, blacklisted=blacklisted, rolled_back_to=healthy_step,
-                             checkpoint=path, lr_scale=self.ledger.lr_scale)
+                             checkpoint=path, lr_scale=self.ledger.lr_scale, **found)
         log.warning("rolled back from step %d to healthy checkpoint %s (step %d); lr scale %.3g; "
                     "%d samples blacklisted; rollback %d of %d", step, path, healthy_step, self.ledger.lr_scale,
                     len(blacklisted), self.ledger.rollbacks, self.config.max_rollbacks)
@@ -248,8 +263,15 @@ class InProcessRecovery:
         self.loop.set_blacklist(merged)
 
     def _save_ledger(self) -> None:
+        """Rank 0 only, so a failure must not raise (the others go on to the next collective).
+        This process holds the ledger in memory and goes on with it; a later restart would not
+        know this rollback (its blacklist, LR scale and count)."""
         if self.monitor.rank == 0:
-            self.ledger.save(self.loop.checkpoint_root)
+            try:
+                self.ledger.save(self.loop.checkpoint_root)
+            except OSError as error:
+                log.warning("the ledger could not be written (%s): training goes on with it in memory, but "
+                            "a restart would not know this rollback, its blacklist or LR scale", error)
 
 
 class ExitAndRestart:
@@ -272,15 +294,24 @@ class ExitAndRestart:
         if record:  # rank 0 holds the record, with every rank's samples
             self._episode_samples += record.get("batch", {}).get("samples", [])
 
-    def _on_exit(self, code: int) -> None:
-        from .response import EXIT_ROLLBACK
+    def _on_exit(self, code: int) -> Optional[int]:
+        """Rank 0 writes the ledger for the restart. Where it cannot, a restart would resume
+        without knowing why (no LR scale, no blacklist, no count against the budget): rank 0
+        then exits with ``EXIT_CRITICAL`` instead, which no launcher takes for a rollback."""
+        from .response import EXIT_CRITICAL, EXIT_ROLLBACK
 
         if code != EXIT_ROLLBACK or self.monitor.rank != 0:
-            return
+            return None
         # The loop that reads the ledger at start-up switches the features off.
         self.ledger.record_rollback(self.config, self._episode_samples if self.config.blacklist == "always" else [])
         self.ledger.rollback_requested = {"from_step": self.monitor.step}
         self.ledger.spent_injections = sorted(set(self.ledger.spent_injections) | set(self.monitor.injector.fired_specs()))
         self.ledger.events.append({"step": self.monitor.step, "exit": code, "lr_scale": self.ledger.lr_scale,
                                    "blacklisted": len(self._episode_samples)})
-        self.ledger.save(self.checkpoint_root)
+        try:
+            self.ledger.save(self.checkpoint_root)
+        except OSError as error:
+            log.error("the ledger could not be written (%s): a restart would not know this rollback; "
+                      "stopping with %d instead of asking for one", error, EXIT_CRITICAL)
+            return EXIT_CRITICAL
+        return None

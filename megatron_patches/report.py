@@ -184,10 +184,22 @@ def _entry(rec: dict) -> Optional[dict]:
 
 
 def diagnosis(rec: dict) -> list[str]:
-    """Two to four lines: what broke, where it entered, how far it spread, what was done."""
+    """Four lines: what broke, where it entered (the forward pass's first non-finite
+    module when a replay found it), how far it spread, what was done."""
     lines = [headline(rec)]
     first = _entry(rec)
-    if first:
+    forward = rec.get("forward_origin") if isinstance(rec.get("forward_origin"), dict) else None
+    if forward:
+        layer = forward.get("layer")
+        lines.append(f"  entered at: the forward pass, output of {_text(forward.get('module'))}"
+                     + (f" (layer {layer})" if isinstance(layer, int) else "")
+                     + f" on rank(s) {forward.get('ranks')}, found by the replay; backward carried it to the "
+                     + "gradients" + (f" (first: {_text(first.get('name'))})" if first else ""))
+    elif rec.get("all_gradients_nonfinite") is True:
+        lines.append("  entered at: the forward pass (every gradient is non-finite, so the loss or an activation "
+                     "broke first); without a replay not located further"
+                     + (f"; {_text(first.get('name'))}, named first, is not the suspect" if first else ""))
+    elif first:
         lines.append(f"  entered at: {_where(first)}")
     else:
         lines.append("  entered at: not localized to a parameter (a model-wide check tripped)")
@@ -238,7 +250,8 @@ def _drills(injected: Any) -> str:
     said = []
     for entry in injected:
         if isinstance(entry, dict):
-            target = (f"sample {entry['sample']}" if "sample" in entry else _text(entry.get("param")))
+            target = (f"sample {entry['sample']}" if "sample" in entry else
+                      f"output of {entry['module']}" if "module" in entry else _text(entry.get("param")))
             text = f"{_text(entry.get('drill'))} -> {target} on rank {_text(entry.get('rank'))}"
         else:  # records written before 'injected' said what fired: the spec text
             text = _text(entry)

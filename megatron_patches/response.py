@@ -19,6 +19,11 @@ EXIT_STOP = 85
 """An *error* with ``response.on_error: stop``: stopped cleanly for a person to look."""
 EXIT_CRITICAL = 86
 """A *critical* incident: anomalies from several replicas at once, or the retry budget spent."""
+EXIT_PEER_LOST = 87
+"""A peer died or stopped answering while the ranks were agreeing on an incident's decision
+(``response.peer_timeout_s``): nothing was decided, no ledger written. The job is broken, not
+the model: a launcher restarts it like any lost node (``scripts/restart_on_rollback.py`` does
+not; torchrun's elastic agent with ``--max-restarts`` does)."""
 
 
 @dataclass

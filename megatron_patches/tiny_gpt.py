@@ -31,6 +31,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1); dp = world / (tp*pp)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="parameter precision (default fp32)")
     p.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer state over data parallel")
+    p.add_argument("--check-for-nan-in-grad", action="store_true",
+                   help="megatron-core's own per-bucket NaN/Inf check before the data-parallel reduction "
+                        "(on by default in Megatron-LM, off in megatron-core; the guard then takes its origin "
+                        "flag from that check's norms instead of a read of its own)")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     p.add_argument("--seed", type=int, default=1234, help="model and data seed (default 1234)")
     p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
@@ -39,7 +43,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
     p.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    p.add_argument("--vocab", type=int, default=128, help="vocabulary size (default 128)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="vocabulary size (default 128 for synthetic data, 256 for text: byte-level tokens)")
+    p.add_argument("--data", metavar="SPEC", default="synthetic",
+                   help="synthetic (default: arithmetic sequences) or text:PATH (byte-level tokens of the UTF-8 "
+                        "text files in PATH, a file or a directory walked in sorted order)")
+    p.add_argument("--data-max-mib", type=float, default=32.0,
+                   help="text data: read at most this many MiB (default 32); a line says when it cuts")
     p.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
     p.add_argument("--config", metavar="FILE", help="megatron_patches YAML config (default: built-in defaults)")
     p.add_argument("--inject", metavar="SPEC", action="append", default=[],
@@ -56,6 +66,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout (default 0)")
     p.add_argument("--no-guard", action="store_true", help="train without megatron_patches (baseline)")
     args = p.parse_args(argv)
+    if args.data != "synthetic" and not (args.data.startswith("text:") and len(args.data) > len("text:")):
+        raise UserError(f"--data must be synthetic or text:PATH, got {args.data!r}")
+    text = args.data.startswith("text:")
+    if args.vocab is None:
+        args.vocab = 256 if text else 128
+    elif text and args.vocab < 256:
+        raise UserError(f"--vocab must be >= 256 with --data text:... (byte-level tokens), got {args.vocab}")
+    if not args.data_max_mib > 0:
+        raise UserError(f"--data-max-mib must be > 0, got {args.data_max_mib}")
     for name in ("tp", "pp", "steps", "micro_batches", "micro_batch_size", "layers", "hidden", "heads", "vocab", "seq"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -65,19 +84,27 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         raise UserError(f"--dropout must be in [0, 1), got {args.dropout}")
     if not args.lr > 0:
         raise UserError(f"--lr must be > 0, got {args.lr}")
+    if args.vocab % args.tp:  # megatron-core splits the vocabulary evenly over tensor-parallel ranks
+        raise UserError(f"--vocab ({args.vocab}) must be divisible by --tp ({args.tp})")
     if args.hidden % args.heads:
         raise UserError(f"--hidden ({args.hidden}) must be divisible by --heads ({args.heads})")
     return args
 
 
 def _effective_config(args: argparse.Namespace) -> str:
-    """Write the config the job runs with (file + --inject + --out) and return its path.
+    """Write the config the job runs with (file + --inject + --out); return the path the ranks
+    load it from.
 
     ``report_dir`` is the config file's when it sets one, else ``--out``: reports can live apart
-    from the results and checkpoints (which stay under ``--out``)."""
-    import yaml
+    from the results and checkpoints (which stay under ``--out``). ``<out>/effective_config.yaml``
+    is the record for people, webhook URLs cut to their host; the ranks load the whole config
+    from a private copy (mode 0600, in a directory of this process's own) removed at exit."""
+    import atexit
+    import dataclasses
+    import shutil
+    import tempfile
 
-    from .config import Config, config_path, read_config_file
+    from .config import Config, config_path, read_config_file, redacted
     from .inject import parse_spec
 
     source = config_path(args.config)
@@ -86,18 +113,26 @@ def _effective_config(args: argparse.Namespace) -> str:
     for spec in args.inject:
         parse_spec(spec)  # reject a bad spec before any process group exists
     report_dir = base.report_dir if "report_dir" in data else args.out
-    config = base.replace(inject=tuple(base.inject) + tuple(args.inject), report_dir=report_dir)
+    config = _plain(dataclasses.asdict(base.replace(inject=tuple(base.inject) + tuple(args.inject),
+                                                    report_dir=report_dir)))
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "effective_config.yaml")
-    import dataclasses
-
     # Every rank writes the same content; a temporary name per process keeps them from
     # renaming each other's half-written file.
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        yaml.safe_dump(_plain(dataclasses.asdict(config)), handle, sort_keys=False)
-    os.replace(tmp, path)
+    _write_yaml(os.path.join(args.out, "effective_config.yaml"), redacted(config))
+    private = tempfile.mkdtemp(prefix="megatron_patches_config.")  # 0700, this process's own
+    atexit.register(shutil.rmtree, private, ignore_errors=True)
+    path = os.path.join(private, "config.yaml")
+    _write_yaml(path, config)
     return path
+
+
+def _write_yaml(path: str, data: dict) -> None:
+    import yaml
+
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as handle:
+        yaml.safe_dump(data, handle, sort_keys=False, allow_unicode=True)
+    os.replace(tmp, path)
 
 
 def _plain(value):

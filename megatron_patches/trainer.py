@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from .collectives import all_gather_floats
-from .data import Sampler, TinyCorpus
+from .data import Sampler, TextCorpus, TinyCorpus
 from .errors import UserError
 
 
@@ -38,9 +38,9 @@ class TinyTrainer:
         self.ps = ps
         self.rank = torch.distributed.get_rank()
         self.dp = ps.get_data_parallel_world_size()
+        self.corpus = self._build_corpus()  # first: a bad --data path fails before any model is built
         self.model, self.config = self._build_model()
         self.optimizer, self.scheduler = self._build_optimizer()
-        self.corpus = TinyCorpus(args.vocab, args.seq, seed=args.seed)
         self.sampler = Sampler(args.micro_batch_size * args.micro_batches * self.dp)
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -95,11 +95,21 @@ class TinyTrainer:
         if a.precision != "fp32":
             model = Float16Module(config, model)
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=a.distributed_optimizer)
+            grad_reduce_in_fp32=True, use_distributed_optimizer=a.distributed_optimizer,
+            check_for_nan_in_grad=a.check_for_nan_in_grad)
         model = DistributedDataParallel(config, ddp_config, model)
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = model.no_sync
         return model, config
+
+    def _build_corpus(self):
+        a = self.args
+        if not a.data.startswith("text:"):
+            return TinyCorpus(a.vocab, a.seq, seed=a.seed)
+        corpus = TextCorpus(a.data[len("text:"):], a.seq, seed=a.seed, max_bytes=int(a.data_max_mib * 2**20))
+        if self.rank == 0:
+            print(corpus.describe(), flush=True)
+        return corpus
 
     def _build_optimizer(self):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

@@ -15,8 +15,11 @@ so that drift and neighbours on the machine fall on all variants alike:
 Timed per step: the whole train step, ``optimizer.step()`` and ``finalize_model_grads`` (the
 guard works in these two) and the time inside the guard's own hooks. Then, untimed: host
 reads per checked step (Tensor.item, .tolist, ... counted during the step, minus variant A's
-count) and the monitor's memory. Prints a table (Markdown) and writes every number, the
-environment and the targets to ``--out`` (JSON).
+count), read passes (bytes of gradient memory the step's tensor ops take as operands, minus
+variant A's, over the bytes of the gradients the optimizer applies) and the monitor's memory.
+Then the same counts, untimed, on two CPU ranks (data parallel, a torchrun child process).
+Prints a table (Markdown) and writes every number, the environment and the targets to
+``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from collections import Counter
 
 import numpy as np
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_patches import hooks, patching, tiny_gpt
 from megatron_patches.config import Config
@@ -68,7 +73,9 @@ inside the guard itself (the monitor's hooks; for D the naive loop; 0 for A)."""
 HOOK_METHODS = tuple(sorted(set(re.findall(r"_monitor\.(\w+)\(", inspect.getsource(hooks)))))
 """The GradMonitor methods the patches call (read from hooks.py, so new ones are timed too)."""
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
-LIMITS = {"step_overhead_pct": 2.0, "read_passes": 1.5, "host_reads": 1.0, "memory_pct": 1.0}
+LIMITS = {"step_overhead_pct": 2.0, "default_extra_read_passes": 0.1, "default_extra_host_reads": 0.0,
+          "all_detectors_read_passes": 1.1, "host_reads": 1.0, "memory_pct": 1.0}
+DP2_NPROC = 2
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -80,11 +87,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sizes", default="small,large",
                    help=f"comma-separated, smallest first, of: {', '.join(SIZES)} (default all)")
     p.add_argument("--out", default="bench.json", help="JSON output (default bench.json)")
+    p.add_argument("--dp2-sizes", default="small",
+                   help="sizes counted again on 2 data-parallel CPU ranks (default small; '' skips it)")
+    p.add_argument("--counts-only", action="store_true",
+                   help="no timed steps: host reads, read passes and memory only (the DP=2 child run)")
     args = p.parse_args(argv)
+    args.dp2_sizes = [s.strip() for s in args.dp2_sizes.split(",") if s.strip()]
     args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    for size in args.sizes:
+    for size in args.sizes + args.dp2_sizes:
         if size not in SIZES:
-            p.error(f"--sizes: unknown size {size!r}; choose from {', '.join(SIZES)}")
+            p.error(f"--sizes/--dp2-sizes: unknown size {size!r}; choose from {', '.join(SIZES)}")
     for name in ("steps", "count_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -230,6 +242,8 @@ class HostReadCounter:
         self.device = device
         self.step, self.hook = Counter(), Counter()
         self.in_hook = 0
+        self.hooks: list[str] = []
+        """Names of the monitor's hook methods being run now (innermost last)."""
         self._depth = 0
         self._saved: dict[str, object] = {}
 
@@ -276,6 +290,57 @@ def _to_host(tensor: torch.Tensor, args, kwargs) -> bool:
     return False
 
 
+def _no_data_ops() -> frozenset:
+    aten = torch.ops.aten
+    return frozenset(op.default for op in (aten.detach, aten.alias, aten.lift_fresh))
+
+
+class GradReadCounter(TorchDispatchMode):
+    """Bytes of gradient memory the tensor ops take as operands, while entered: each aten op
+    (a fused ``_foreach_*`` op counts as one, collectives included) adds the bytes of every input
+    tensor that lies in gradient memory. Views and detach read nothing and are left out.
+    Gradient memory: the storages of the model parameters' ``main_grad`` (DDP's buffers) and
+    ``.grad``, and of the optimizer's parameters' ``.grad`` / ``decoupled_grad``, looked up at each
+    op (a Float16 or distributed optimizer makes fresh main gradients in prepare_grads).
+    Destinations of ``copy_``/``zero_`` count too: the same in every variant, they cancel."""
+
+    def __init__(self, trainer, host_reads: "HostReadCounter"):
+        super().__init__()
+        self.params = list(trainer.model.parameters())
+        self.params += [p for g in trainer.optimizer.param_groups for p in g["params"]]
+        self.bytes = 0
+        self.by_hook: Counter = Counter()
+        """The same bytes by the monitor's hook method they were read in ("-": outside the hooks)."""
+        self.host_reads = host_reads
+        self._skip = _no_data_ops()
+
+    def _grad_storages(self) -> set:
+        out = set()
+        for p in self.params:
+            for name in ("main_grad", "grad", "decoupled_grad"):
+                g = getattr(p, name, None)
+                if isinstance(g, torch.Tensor) and g.numel():
+                    out.add(g.untyped_storage().data_ptr())
+        return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not func.is_view and func not in self._skip:
+            tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.numel()]
+            if tensors:
+                grads = self._grad_storages()
+                nbytes = sum(t.numel() * t.element_size() for t in tensors if t.untyped_storage().data_ptr() in grads)
+                self.bytes += nbytes
+                self.by_hook[self.host_reads.hooks[-1] if self.host_reads.hooks else "-"] += nbytes
+        return func(*args, **kwargs)
+
+
+def gradient_bytes(optimizer) -> int:
+    """Bytes of the gradients ``optimizer`` applies on this rank (one per parameter it steps, in
+    the parameter's dtype): what one pass of a norm over all of them reads."""
+    return sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"])
+
+
 def _allocated_by(fn, device: str):
     """Run ``fn``; returns (result, bytes): on an accelerator the peak above what was allocated
     before, on the CPU the total bytes allocated inside (profiler; bounds the peak)."""
@@ -298,13 +363,15 @@ def _allocated_by(fn, device: str):
 def instrumented_hooks(monitor, counter: HostReadCounter, device: str, transient: list):
     """Count host reads and allocations inside the monitor's hook methods (instance attributes
     shadow the class's for the duration)."""
-    def wrap(method):
+    def wrap(name, method):
         def inner(*args, **kwargs):
             counter.in_hook += 1
+            counter.hooks.append(name)
             try:
                 result, nbytes = _allocated_by(lambda: method(*args, **kwargs), device)
             finally:
                 counter.in_hook -= 1
+                counter.hooks.pop()
             transient.append(nbytes)
             return result
 
@@ -312,7 +379,7 @@ def instrumented_hooks(monitor, counter: HostReadCounter, device: str, transient
 
     saved = {name: monitor.__dict__.get(name) for name in HOOK_METHODS}
     for name in HOOK_METHODS:
-        setattr(monitor, name, wrap(getattr(monitor, name)))
+        setattr(monitor, name, wrap(name, getattr(monitor, name)))
     try:
         yield
     finally:
@@ -399,6 +466,7 @@ class SizeBench:
         rounds = args.warmup + args.steps + args.count_steps
         self.trainer = TinyTrainer(tiny_gpt.parse_args([
             "--no-guard", "--steps", str(rounds * len(VARIANTS)), "--out", os.path.join(workdir, size),
+            "--check-for-nan-in-grad",  # as Megatron-LM runs by default (--check-for-nan-in-loss-and-grad)
             "--hidden", str(shape["hidden"]), "--layers", str(shape["layers"]), "--heads", str(shape["heads"])]),
             device)
         # Built unguarded: name the parameters as get_megatron_optimizer's wrapper would.
@@ -421,9 +489,15 @@ class SizeBench:
         self.in_hooks = {v: [] for v in VARIANTS}
         self.transient = {v: [] for v in VARIANTS}
         self.checked = {v: 0 for v in VARIANTS}
+        self.grad_reads = {v: [] for v in VARIANTS}
+        self.grad_reads_by_hook = {v: [] for v in VARIANTS}
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        self.tag = size if self.world == 1 else f"{size}, {self.world} ranks"
 
     def log(self, message: str) -> None:
-        print(f"[{self.size}] {message}", flush=True)
+        if self.rank == 0:
+            print(f"[{self.tag}] {message}", flush=True)
 
     def step(self, variant: str) -> dict[str, float]:
         """One training step under ``variant``; ms of each part."""
@@ -453,13 +527,15 @@ class SizeBench:
 
     def run(self) -> dict:
         a, m = self.args, self.trainer.args
+        measured = 0 if a.counts_only else a.steps
         self.log(f"hidden {m.hidden}, {m.layers} layers, {m.heads} heads, {self.n_params():,} parameters; "
-                 f"{a.warmup} warmup + {a.steps} measured + {a.count_steps} counted steps per variant")
+                 f"{a.warmup} warmup + {measured} measured + {a.count_steps} counted steps per variant")
         for r in range(a.warmup):
             for v in VARIANTS:
                 self.step(v)
             self.log(f"warmup {r + 1}/{a.warmup}")
-        self.timed()
+        if not a.counts_only:
+            self.timed()
         self.counted()
         result = self.summary()
         self.variants.activate("A")
@@ -499,12 +575,15 @@ class SizeBench:
                 scope = (instrumented_hooks(monitor, counter, self.device, self.transient[v])
                          if monitor else contextlib.nullcontext())
                 before = monitor.counters["checked_steps"] if monitor else 0
-                with scope, counter:
+                grad_reads = GradReadCounter(self.trainer, counter)
+                with scope, counter, grad_reads:
                     self.step(v)
                 self.checked[v] += monitor.counters["checked_steps"] - before if monitor else 1
                 self.reads[v].append(+counter.step)  # unary + drops zero counts
                 self.in_hooks[v].append(+counter.hook)
-            self.log(f"counting host reads and memory {r + 1}/{self.args.count_steps}")
+                self.grad_reads[v].append(grad_reads.bytes)
+                self.grad_reads_by_hook[v].append(grad_reads.by_hook)
+            self.log(f"counting host reads, gradient reads and memory {r + 1}/{self.args.count_steps}")
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.trainer.model.parameters())
@@ -513,42 +592,26 @@ class SizeBench:
         m = self.trainer.args
         model_storages = model_state_storages(self.trainer)
         state_bytes = sum(model_storages.values())
-        yard = float(np.median(self.yard_ms))
+        grad_bytes = gradient_bytes(self.trainer.optimizer)
         result = {
             "model": {"hidden": m.hidden, "layers": m.layers, "heads": m.heads, "vocab": m.vocab, "seq": m.seq,
                       "micro_batch_size": m.micro_batch_size, "micro_batches": m.micro_batches,
                       "precision": m.precision, "parameters": self.n_params(),
                       "param_tensors": sum(len(g["params"]) for g in self.trainer.optimizer.param_groups),
-                      "model_optimizer_state_bytes": state_bytes},
-            "yardstick_ms": stats(self.yard_ms),
-            "yardstick_samples_ms": self.yard_ms,
+                      "model_optimizer_state_bytes": state_bytes, "gradient_bytes": grad_bytes},
+            "world_size": self.world, "rank": self.rank,
             "variant_c_changes": self.variants.all_on_changes,
             "variant_configs": {v: dataclasses.asdict(c) for v, c in self.variants.configs.items()},
             "variants": {},
         }
-        base = {part: np.asarray(self.ms[part]["A"]) for part in PARTS}
+        timed = bool(self.yard_ms)
+        if timed:
+            result["yardstick_ms"] = stats(self.yard_ms)
+            result["yardstick_samples_ms"] = self.yard_ms
         for v in VARIANTS:
-            entry = {"title": TITLES[v], "overhead": {}}
-            for part in PARTS:
-                samples = np.asarray(self.ms[part][v])
-                # Paired by round: A ran within a few steps of this one, so drift cancels.
-                extra = stats(samples - base[part])
-                entry[f"{part}_ms"] = stats(samples)
-                entry[f"{part}_samples_ms"] = samples.tolist()
-                entry["overhead"][f"{part}_ms"] = extra["median"]
-                entry["overhead"].update({f"{part}_ms_{k}": extra[k] for k in ("p10", "q1", "q3", "p90")})
-                if part != "guard":  # A spends no time in a guard
-                    entry["overhead"][f"{part}_pct"] = 100 * extra["median"] / float(np.median(base[part]))
-            o, guard = entry["overhead"], entry["guard_ms"]["median"]
-            split = self.guard_split[v]
-            entry["guard_ms_by_hook"] = {k: float(np.median([t.get(k, 0.0) for t in split]))
-                                         for k in sorted({k for t in split for k in t})}
-            o["read_passes"] = (o["optimizer_ms"] + o["finalize_ms"]) / yard if yard > 0 else None
-            o["read_passes_optimizer_step"] = o["optimizer_ms"] / yard if yard > 0 else None
-            # Cross-checks on short windows, far less exposed to neighbours than a whole step.
-            o["read_passes_direct"] = guard / yard if yard > 0 else None
-            # Noise only ever adds time: the least-disturbed samples of each estimate the cost.
-            o["guard_pct_of_train_min"] = 100 * min(self.ms["guard"][v]) / float(base["train"].min())
+            entry = {"title": TITLES[v]}
+            if timed:
+                self.timing(entry, v)
             checked = max(self.checked[v], 1)
             entry.update({
                 "checked_steps_counted": self.checked[v],
@@ -557,6 +620,14 @@ class SizeBench:
                 "host_reads_per_checked_step": (_total(self.reads[v]) - _total(self.reads["A"])) / checked,
                 "host_reads_in_hooks_per_checked_step": _total(self.in_hooks[v]) / checked,
                 "host_reads_in_hooks_by_method": _merge(self.in_hooks[v]),
+                "gradient_bytes_read_per_step": sum(self.grad_reads[v]) / len(self.grad_reads[v]),
+                "read_passes_per_step": sum(self.grad_reads[v]) / len(self.grad_reads[v]) / grad_bytes,
+                "extra_read_passes_per_checked_step":
+                    (sum(self.grad_reads[v]) - sum(self.grad_reads["A"])) / grad_bytes / checked,
+                # Where they are read: in each of the guard's hooks, and outside them ("-", where
+                # Megatron's own norm pass, absent when the guard serves it, shows as a difference).
+                "read_passes_per_step_by_hook": {k: n / len(self.grad_reads[v]) / grad_bytes for k, n in
+                                                 sorted(sum(self.grad_reads_by_hook[v], Counter()).items())},
             })
             monitor = self.variants.monitors.get(v)
             if monitor is not None:
@@ -567,6 +638,33 @@ class SizeBench:
                              f"its timings include the slow path")
             result["variants"][v] = entry
         return result
+
+    def timing(self, entry: dict, v: str) -> None:
+        """The timed figures of variant ``v`` into ``entry`` (paired with A by round)."""
+        base = {part: np.asarray(self.ms[part]["A"]) for part in PARTS}
+        yard = float(np.median(self.yard_ms))
+        entry["overhead"] = {}
+        for part in PARTS:
+            samples = np.asarray(self.ms[part][v])
+            # Paired by round: A ran within a few steps of this one, so drift cancels.
+            extra = stats(samples - base[part])
+            entry[f"{part}_ms"] = stats(samples)
+            entry[f"{part}_samples_ms"] = samples.tolist()
+            entry["overhead"][f"{part}_ms"] = extra["median"]
+            entry["overhead"].update({f"{part}_ms_{k}": extra[k] for k in ("p10", "q1", "q3", "p90")})
+            if part != "guard":  # A spends no time in a guard
+                entry["overhead"][f"{part}_pct"] = 100 * extra["median"] / float(np.median(base[part]))
+        o, guard = entry["overhead"], entry["guard_ms"]["median"]
+        split = self.guard_split[v]
+        entry["guard_ms_by_hook"] = {k: float(np.median([t.get(k, 0.0) for t in split]))
+                                     for k in sorted({k for t in split for k in t})}
+        # Time in read passes: extra time over the yardstick's (one fused read of every gradient).
+        o["read_passes"] = (o["optimizer_ms"] + o["finalize_ms"]) / yard if yard > 0 else None
+        o["read_passes_optimizer_step"] = o["optimizer_ms"] / yard if yard > 0 else None
+        # Cross-checks on short windows, far less exposed to neighbours than a whole step.
+        o["read_passes_direct"] = guard / yard if yard > 0 else None
+        # Noise only ever adds time: the least-disturbed samples of each estimate the cost.
+        o["guard_pct_of_train_min"] = 100 * min(self.ms["guard"][v]) / float(base["train"].min())
 
     def memory(self, monitor, variant: str, model_storages: dict, state_bytes: int) -> dict:
         retained = sum(retained_storages(monitor, model_storages).values())
@@ -585,51 +683,75 @@ class SizeBench:
 # --- report ------------------------------------------------------------------------------------
 
 
-def targets(sizes: dict) -> list[dict]:
+def targets(sizes: dict, dp2: typing.Optional[dict] = None) -> list[dict]:
     """The goals, each with its value and whether it was met. Timing goals are read on the last
-    (largest) size; host reads and memory take the worst over sizes and guarded variants.
-    ``verdict`` also weighs the spread ("within noise" when q1..q3 straddles the limit) and
-    names a cross-check on the other side of the limit."""
+    (largest) size; counts (host reads, read passes, memory) take the worst over sizes (and, on
+    two ranks, over ranks). ``verdict`` also weighs the spread of a timing ("within noise" when
+    q1..q3 straddles the limit) and names a cross-check on the other side of the limit."""
     larger = list(sizes)[-1]
     big = sizes[larger]["variants"]
+    rows = []
+    if "train_ms" in big["A"]:  # timed (not a --counts-only run)
+        a_train = big["A"]["train_ms"]["median"]
+
+        def step_pct(v):
+            o = big[v]["overhead"]
+            return (o["train_pct"], [100 * o["train_ms_q1"] / a_train, 100 * o["train_ms_q3"] / a_train],
+                    {"guard_pct_of_train_min": o["guard_pct_of_train_min"]})
+
+        rows += [
+            ("default_step_overhead_pct", f"default config (B): extra whole-step time on {larger}",
+             *step_pct("B"), LIMITS["step_overhead_pct"], "%"),
+            ("shipped_default_step_overhead_pct",
+             f"default as shipped (E, grad_history on): extra whole-step time on {larger}",
+             *step_pct("E"), LIMITS["step_overhead_pct"], "%"),
+        ]
+    rows += _count_rows({s: [r] for s, r in sizes.items()}, "")
     worst = lambda key: max(key(sizes[s]["variants"][v]) for s in sizes for v in GUARDED)
-    a_train = big["A"]["train_ms"]["median"]
-    yard = sizes[larger]["yardstick_ms"]["median"]
-
-    def step_pct(v):
-        o = big[v]["overhead"]
-        return (o["train_pct"], [100 * o["train_ms_q1"] / a_train, 100 * o["train_ms_q3"] / a_train],
-                {"guard_pct_of_train_min": o["guard_pct_of_train_min"]})
-
-    c = big["C"]["overhead"]
-    c_passes = (c["read_passes"],
-                [(c["optimizer_ms_q1"] + c["finalize_ms_q1"]) / yard, (c["optimizer_ms_q3"] + c["finalize_ms_q3"]) / yard],
-                {"read_passes_direct": c["read_passes_direct"]})
-    rows = [
-        ("default_step_overhead_pct", f"default config (B): extra whole-step time on {larger}",
-         *step_pct("B"), LIMITS["step_overhead_pct"], "%"),
-        ("shipped_default_step_overhead_pct", f"default as shipped (E, grad_history on): extra whole-step time on {larger}",
-         *step_pct("E"), LIMITS["step_overhead_pct"], "%"),
-        ("all_detectors_read_passes",
-         f"every detector on (C): extra optimizer.step + finalize_model_grads time in read passes on {larger}",
-         *c_passes, LIMITS["read_passes"], "passes"),
+    rows += [
         ("host_reads_per_checked_step", "host reads per checked step (B, C, E, every size: worst)",
          worst(lambda e: e["host_reads_per_checked_step"]), None, {}, LIMITS["host_reads"], "reads"),
         ("extra_memory_pct", "retained + transient bytes / model+optimizer state (B, C, E, every size: worst)",
          worst(lambda e: e["memory"]["pct_of_model_optimizer_state"]), None, {}, LIMITS["memory_pct"], "%"),
     ]
-    out = []
-    for name, what, value, spread, cross, limit, unit in rows:
-        met = value is not None and value <= limit
-        verdict = "met" if met else "missed"
-        if spread is not None and spread[0] <= limit < spread[1]:  # the interquartile range
-            verdict = f"within noise ({verdict} on the median)"
-        for key, other in cross.items():
-            if other is not None and (other <= limit) != met:
-                verdict += f"; {key} {other:.3g} says {'met' if other <= limit else 'missed'}"
-        out.append({"name": name, "what": what, "size": larger, "value": value, "spread_q1_q3": spread,
-                    "limit": limit, "unit": unit, "met": met, "verdict": verdict, "cross_check": cross})
+    out = [_target(row, larger, "1 rank") for row in rows]
+    if dp2:
+        out += [_target(row, list(dp2)[-1], f"dp{len(next(iter(dp2.values()))['ranks'])}")
+                for row in _count_rows({s: r["ranks"] for s, r in dp2.items()}, f" on {DP2_NPROC} ranks")]
     return out
+
+
+def _count_rows(sizes: dict, where: str) -> list[tuple]:
+    """The counted goals over ``{size: [each rank's summary]}``: the worst rank and size."""
+    def worst(variant, key):
+        return max(r["variants"][variant][key] for ranks in sizes.values() for r in ranks)
+
+    return [
+        ("default_extra_read_passes",
+         f"default config (B) vs unpatched (A): extra bytes of gradient memory read per checked step / "
+         f"gradient bytes{where} (every size: worst)",
+         worst("B", "extra_read_passes_per_checked_step"), None, {}, LIMITS["default_extra_read_passes"], "passes"),
+        ("default_extra_host_reads",
+         f"default config (B) vs unpatched (A): extra host reads per checked step{where} (every size: worst)",
+         worst("B", "host_reads_per_checked_step"), None, {}, LIMITS["default_extra_host_reads"], "reads"),
+        ("all_detectors_read_passes",
+         f"every detector on (C) vs unpatched (A): extra bytes of gradient memory read per checked step / "
+         f"gradient bytes{where} (every size: worst)",
+         worst("C", "extra_read_passes_per_checked_step"), None, {}, LIMITS["all_detectors_read_passes"], "passes"),
+    ]
+
+
+def _target(row: tuple, size: str, layout: str) -> dict:
+    name, what, value, spread, cross, limit, unit = row
+    met = value is not None and value <= limit
+    verdict = "met" if met else "missed"
+    if spread is not None and spread[0] <= limit < spread[1]:  # the interquartile range
+        verdict = f"within noise ({verdict} on the median)"
+    for key, other in cross.items():
+        if other is not None and (other <= limit) != met:
+            verdict += f"; {key} {other:.3g} says {'met' if other <= limit else 'missed'}"
+    return {"name": name, "layout": layout, "what": what, "size": size, "value": value, "spread_q1_q3": spread,
+            "limit": limit, "unit": unit, "met": met, "verdict": verdict, "cross_check": cross}
 
 
 def _markdown(header: list[str], rows: list[list[str]]) -> str:
@@ -650,8 +772,8 @@ def print_table(result: dict) -> None:
         m = r["model"]
         print(f"\n{size}: hidden {m['hidden']}, {m['layers']} layers, {m['heads']} heads, {m['parameters']:,} "
               f"parameters in {m['param_tensors']} tensors, model+optimizer state "
-              f"{m['model_optimizer_state_bytes'] / 2**20:.1f} MiB; one read pass (_foreach_norm over all "
-              f"gradients) {_ms(r['yardstick_ms'], 3)} ms\n")
+              f"{m['model_optimizer_state_bytes'] / 2**20:.1f} MiB, gradients {m['gradient_bytes'] / 2**20:.1f} MiB; "
+              f"one read pass (_foreach_norm over all gradients) {_ms(r['yardstick_ms'], 3)} ms\n")
         rows = []
         for v, e in r["variants"].items():
             d, base = e["overhead"], v == "A"
@@ -662,20 +784,32 @@ def print_table(result: dict) -> None:
                 "-" if base else _ms(e["guard_ms"], 2),
                 _ms(e["train_ms"], 1), "-" if base else f"{d['train_ms']:+.1f} ({d['train_pct']:+.1f}%)",
                 "-" if base else f"{d['read_passes']:.2f} / {d['read_passes_direct']:.2f}",
-                "-" if base else f"{e['host_reads_per_checked_step']:g}",
+                f"{e['read_passes_per_step']:.2f}" + ("" if base else f" ({e['extra_read_passes_per_checked_step']:+.2f})"),
+                "-" if base else f"{e['host_reads_per_checked_step']:+g}",
                 f"{e['memory']['pct_of_model_optimizer_state']:.4f}" if "memory" in e else "-",
             ])
         print(_markdown(["variant", "optimizer.step ms", "extra", "finalize extra", "in guard ms",
-                         "train step ms", "extra", "read passes (diff / direct)", "host reads", "memory %"], rows))
+                         "train step ms", "extra", "time in read passes (diff / direct)",
+                         "gradient read passes (extra)", "extra host reads", "memory %"], rows))
+    for size, r in result.get("dp2", {}).items():
+        print(f"\n{size} on {len(r['ranks'])} data-parallel ranks (counted, not timed; per rank):\n")
+        rows = [[f"{v} {TITLES[v]}", *[f"{rank['variants'][v]['read_passes_per_step']:.2f}"
+                                        + ("" if v == "A" else f" ({rank['variants'][v]['extra_read_passes_per_checked_step']:+.2f})")
+                                        for rank in r["ranks"]],
+                 *["-" if v == "A" else f"{rank['variants'][v]['host_reads_per_checked_step']:+g}" for rank in r["ranks"]]]
+                for v in VARIANTS]
+        n = len(r["ranks"])
+        print(_markdown(["variant", *[f"read passes rank {i} (extra)" for i in range(n)],
+                         *[f"extra host reads rank {i}" for i in range(n)]], rows))
     print("\ntargets:\n")
     rows = []
     for t in result["targets"]:
         spread, cross = t["spread_q1_q3"], t["cross_check"]
         rows.append([t["verdict"] if t["met"] and t["verdict"] == "met" else f"**{t['verdict']}**", t["name"],
-                     "n/a" if t["value"] is None else f"{t['value']:.3g} {t['unit']}",
+                     t["layout"], "n/a" if t["value"] is None else f"{t['value']:.3g} {t['unit']}",
                      f"[{spread[0]:.3g}, {spread[1]:.3g}]" if spread else "-", f"<= {t['limit']:g}",
                      ", ".join(f"{k} {v:.3g}" for k, v in cross.items()) or "-", t["what"]])
-    print(_markdown(["verdict", "target", "value", "q1, q3", "limit", "cross-check", "what"], rows))
+    print(_markdown(["verdict", "target", "layout", "value", "q1, q3", "limit", "cross-check", "what"], rows))
 
 
 def environment(device: str) -> dict:
@@ -701,33 +835,74 @@ def environment(device: str) -> dict:
             "platform": platform.platform()}
 
 
+def run_dp2(args) -> dict:
+    """The counted steps again on DP2_NPROC data-parallel CPU ranks (a torchrun child of this
+    script with --counts-only); returns ``{size: {"ranks": [each rank's summary]}}``."""
+    with tempfile.TemporaryDirectory(prefix="megatron_patches_bench_dp2_") as tmp:
+        out = os.path.join(tmp, "dp2.json")
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={DP2_NPROC}",
+               os.path.abspath(__file__), "--counts-only", "--sizes", ",".join(args.dp2_sizes), "--dp2-sizes", "",
+               "--warmup", str(args.warmup), "--count-steps", str(args.count_steps), "--out", out]
+        proc = subprocess.run(cmd, env=env)
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"the {DP2_NPROC}-rank run failed (exit {proc.returncode}): {' '.join(cmd)}")
+        with open(out, encoding="utf-8") as f:
+            return json.load(f)["sizes"]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.getLogger("megatron_patches").setLevel(logging.WARNING)  # not one "patched ..." line per switch
     device = tiny_gpt._init_distributed(tiny_gpt.parse_args(["--no-guard"]))  # CPU runtime + gloo without a GPU
     sync = getattr(torch, device).synchronize if device != "cpu" else (lambda: None)
     started = time.time()
-    result = {"schema": "megatron_patches.bench/1", "environment": environment(device),
+    result = {"schema": "megatron_patches.bench/2", "environment": environment(device),
               "settings": {"steps": args.steps, "warmup": args.warmup, "count_steps": args.count_steps,
-                           "sizes": args.sizes, "variants": TITLES, "limits": LIMITS}, "sizes": {}}
+                           "sizes": args.sizes, "dp2_sizes": args.dp2_sizes, "variants": TITLES,
+                           "limits": LIMITS}, "sizes": {}}
     try:
         with tempfile.TemporaryDirectory(prefix="megatron_patches_bench_") as workdir:
             for size in args.sizes:
-                result["sizes"][size] = SizeBench(size, args, device, sync, workdir).run()
+                summary = SizeBench(size, args, device, sync, workdir).run()
+                if args.counts_only:  # every rank's counts, on rank 0
+                    summary = {"ranks": _gather(summary)}
+                result["sizes"][size] = summary
     finally:
         patching.uninstall()
         hooks.set_monitor(None)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    result["targets"] = targets(result["sizes"])
+    if rank != 0:
+        return 0
+    if args.counts_only:
+        _write(result, args.out)
+        return 0
+    if args.dp2_sizes:
+        print(f"\ncounting again on {DP2_NPROC} data-parallel CPU ranks: {', '.join(args.dp2_sizes)}", flush=True)
+        result["dp2"] = run_dp2(args)
+    result["targets"] = targets(result["sizes"], result.get("dp2"))
     result["environment"]["load_average_after"] = list(os.getloadavg())
     result["seconds"] = round(time.time() - started, 1)
     print_table(result)
-    with open(args.out + ".tmp", "w", encoding="utf-8") as handle:
-        json.dump(result, handle, indent=1)
-    os.replace(args.out + ".tmp", args.out)
+    _write(result, args.out)
     print(f"\n{result['seconds']:.0f} s; wrote {args.out}")
     return 0
+
+
+def _gather(summary: dict) -> list:
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return [summary]
+    out = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
+    torch.distributed.gather_object(summary, out, dst=0)
+    return out or []
+
+
+def _write(result: dict, path: str) -> None:
+    with open(path + ".tmp", "w", encoding="utf-8") as handle:
+        json.dump(result, handle, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

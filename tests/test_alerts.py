@@ -15,6 +15,8 @@ from megatron_patches.config import AlertsConfig, Config
 from megatron_patches.errors import ConfigError
 from megatron_patches.incidents import ParamFinding, make_record
 
+pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)
+
 FC1 = "decoder.layers.3.mlp.linear_fc1.weight"
 
 

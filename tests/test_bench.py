@@ -13,8 +13,10 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {"A", "B", "C", "D", "E"}
-TARGETS = {"default_step_overhead_pct", "shipped_default_step_overhead_pct", "all_detectors_read_passes",
-           "host_reads_per_checked_step", "extra_memory_pct"}
+COUNTED = {"default_extra_read_passes", "default_extra_host_reads", "all_detectors_read_passes"}
+TARGETS = {("1 rank", name) for name in COUNTED | {"default_step_overhead_pct", "shipped_default_step_overhead_pct",
+                                                  "host_reads_per_checked_step", "extra_memory_pct"}} \
+    | {("dp2", name) for name in COUNTED}
 
 
 @pytest.mark.bench
@@ -46,6 +48,20 @@ def test_bench_reports_every_variant_host_reads_and_targets(tmp_path):
     # counter sees every read (two per gradient tensor: isnan(...).item(), isinf(...).item()).
     tensors = small["model"]["param_tensors"]
     assert small["variants"]["D"]["host_reads_per_checked_step"] == 2 * tensors
+
+    # Read passes (bytes of gradient memory read / gradient bytes): the naive loop's two passes
+    # (isnan, isinf over every gradient) prove the counter sees reads; the default guard's one pass
+    # replaces Megatron's own norm pass, which it serves (nothing extra); on two ranks likewise.
+    assert small["variants"]["D"]["extra_read_passes_per_checked_step"] == pytest.approx(2.0)
+    assert small["variants"]["B"]["extra_read_passes_per_checked_step"] == pytest.approx(0.0, abs=1e-9)
+    assert small["variants"]["B"]["read_passes_per_step_by_hook"]["after_prepare_grads"] == pytest.approx(1.0)
+    assert small["variants"]["B"]["monitor_counters"]["served_norms"] >= 1
+    ranks = data["dp2"]["small"]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["world_size"] == 2 for r in ranks)
+    for r in ranks:
+        assert r["variants"]["D"]["extra_read_passes_per_checked_step"] == pytest.approx(2.0)
+        assert r["variants"]["B"]["monitor_counters"]["served_norms"] >= 1
+        assert isinstance(r["variants"]["B"]["host_reads_per_checked_step"], (int, float))
     for name in ("B", "C", "E"):
         v = small["variants"][name]
         assert v["checked_steps_counted"] >= 1, name
@@ -66,7 +82,8 @@ def test_bench_reports_every_variant_host_reads_and_targets(tmp_path):
     assert all(value is True for _, key, value in walk(c_config) if key == "enabled")
     assert c_config["detectors"]["magnitude"]["param_norm_max"] is not None
 
-    targets = {t["name"]: t for t in data["targets"]}
-    assert set(targets) == TARGETS
+    targets = {(t["layout"], t["name"]): t for t in data["targets"]}
+    assert set(targets) == TARGETS and len(data["targets"]) == len(TARGETS)
     for t in targets.values():
-        assert isinstance(t["met"], bool) and t["limit"] > 0 and t["verdict"], t
+        assert isinstance(t["met"], bool) and t["limit"] >= 0 and t["verdict"], t
+    assert targets[("1 rank", "default_extra_read_passes")]["met"]

@@ -27,11 +27,19 @@ def test_dp2_bitflip_on_rank_1_names_rank_1(tmp_path):
     assert hardware["rank"] == 1 and hardware["dp"] == 1 and hardware["params"] == [FC1]
 
 
+def every_tensor_each_check(tmp_path, target="auto"):
+    """A config that checksums every tensor on every check (the default rotates 1/16 of them)."""
+    config = tmp_path / "guard.yaml"
+    config.write_text(f"detectors:\n  consistency:\n    target: {target}\n    sample_fraction: 1.0\n")
+    return str(config)
+
+
 @pytest.mark.multiproc
 def test_dp4_bitflips_on_one_rank_are_found_by_majority(tmp_path):
     # Step 6: the top exponent bit (the norm overflows on that rank). Step 12: a mantissa bit:
     # no NaN, no Inf, the same sum of squares in fp32 -- only the bit-exact checksum differs.
-    run = run_tiny(tmp_path, "--steps", "20", "--inject", f"bitflip:step=6,param={FC1},rank=3",
+    run = run_tiny(tmp_path / "out", "--steps", "20", "--config", every_tensor_each_check(tmp_path),
+                   "--inject", f"bitflip:step=6,param={FC1},rank=3",
                    "--inject", f"bitflip:step=12,param={QKV},rank=2,bit=20", nproc=4)
     assert_trained(run, min_drop=0.3)
     loud, silent = run.incidents
@@ -50,9 +58,8 @@ def test_diverged_parameters_are_caught_the_step_after(tmp_path):
     # target=params compares what the distributed optimizer compares (the parameters). A
     # silent flip in rank 1's gradient at step 8 makes rank 1 apply a different update; from
     # step 9 its parameters differ from the three other replicas'.
-    config = tmp_path / "guard.yaml"
-    config.write_text("detectors:\n  consistency:\n    target: params\n")
-    run = run_tiny(tmp_path / "out", "--steps", "20", "--config", str(config), "--save-interval", "5",
+    run = run_tiny(tmp_path / "out", "--steps", "20", "--config", every_tensor_each_check(tmp_path, "params"),
+                   "--save-interval", "5",
                    "--inject", f"bitflip:step=8,param={QKV},rank=1,bit=20", nproc=4)
     assert_trained(run, min_drop=0.3)  # the diverged replica persists until a rollback to step 5
     first = run.incidents[0]
@@ -60,6 +67,25 @@ def test_diverged_parameters_are_caught_the_step_after(tmp_path):
     assert first["rank_mismatch"]["compared"] == "params"
     assert first["suspected_ranks"] == [1]
     assert first["rank_mismatch"]["suspected_hardware"][0]["params"] == [QKV]
+
+
+@pytest.mark.multiproc
+def test_default_rotating_share_still_catches_diverged_parameters(tmp_path):
+    """The default checksums 1/16 of the tensors per check: the diverged replica of the test
+    above is found within 16 checks of the divergence, named the same way."""
+    config = tmp_path / "guard.yaml"
+    config.write_text("detectors:\n  consistency:\n    target: params\n")
+    run = run_tiny(tmp_path / "out", "--steps", "26", "--config", str(config),
+                   "--inject", f"bitflip:step=8,param={QKV},rank=1,bit=20", nproc=2)
+    assert run.returncode == 0, run.output[-3000:]
+    first = run.incidents[0]
+    assert first["kind"] == "rank_mismatch" and 9 <= first["step"] <= 9 + 16, first["step"]
+    # Two replicas cannot outvote each other: rank 1 alone when the distance to the share's last
+    # accepted value decides, both when it cannot (the record says which).
+    group = first["rank_mismatch"]["groups"][0]
+    assert group["ranks"] == [0, 1]
+    assert (group["decided_by"], first["suspected_ranks"]) in (("distance_to_last_accepted", [1]),
+                                                               ("undecided", [0, 1])), group
 
 
 # --- clean trainings raise nothing ------------------------------------------------------

@@ -9,6 +9,8 @@ import torch
 
 from conftest import assert_trained, run_tiny
 
+pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)
+
 FC2 = "decoder.layers.0.mlp.linear_fc2.weight"
 PROJ = "decoder.layers.1.self_attention.linear_proj.weight"
 

@@ -5,8 +5,11 @@ traceback. Real files, real trainings (the tiny-GPT harness), a real full file s
 import json
 import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -14,6 +17,9 @@ from conftest import run_tiny
 from megatron_patches.config import Config, load_config
 from megatron_patches.errors import ConfigError
 from megatron_patches.incidents import HISTORY_FILE, INCIDENTS_FILE, JsonlWriter
+from megatron_patches.response import EXIT_CRITICAL, EXIT_PEER_LOST, EXIT_STOP
+
+pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FC1 = "decoder.layers.1.mlp.linear_fc1.weight"
@@ -228,3 +234,212 @@ def test_config_refuses_non_finite_numbers_naming_the_key(value):
     with pytest.raises(ConfigError, match=r"`detectors\.magnitude\.total_norm_max` must be a finite number"):
         Config.from_dict({"detectors": {"magnitude": {"total_norm_max": value}}})
     assert Config.from_dict({"detectors": {"magnitude": {"total_norm_max": None}}}).detectors.magnitude.total_norm_max is None
+
+
+# --- bounded decisions ------------------------------------------------------------------
+
+def _rank_lines(proc) -> str:
+    return proc.stdout[-3000:]
+
+
+def test_a_rank_killed_mid_incident_ends_the_others_with_87_within_the_bound(tmp_path):
+    """Rank 1 dies by SIGKILL after the NaN at step 3 was found and before the ranks agreed on
+    a decision (the `kill` drill). Plain processes, no torchrun: nothing tears the job down for
+    the guard. Rank 0 must not wait for the process group's timeout."""
+    from rank_launcher import run_ranks
+
+    out = tmp_path / "run"
+    started = time.monotonic()
+    rank0, rank1 = run_ranks(2, ["--out", str(out), "--steps", "8", "--inject", "nan:step=3",
+                                 "--inject", "kill:step=3,rank=1"], timeout=240)
+    took = time.monotonic() - started
+    assert rank1.returncode == -signal.SIGKILL, _rank_lines(rank1)
+    assert rank0.returncode == EXIT_PEER_LOST, _rank_lines(rank0)
+    assert "step 3: a peer was lost while the ranks agreed on an incident" in rank0.stdout
+    assert took < 120, took  # start-up and 3 steps; the default peer_timeout_s is 300
+    assert not (out / INCIDENTS_FILE).exists()  # nothing was decided, so nothing is recorded as decided
+    assert not (out / "result.json").exists()
+
+
+_SILENT_PEER = r"""
+import os, sys, time, torch
+from megatron_patches.collectives import PeerLost, gather_to_zero, prepare_bounded
+torch.distributed.init_process_group("gloo")
+prepare_bounded(2.0)
+if torch.distributed.get_rank() == 1:
+    time.sleep(20)  # alive, connected, silent
+    os._exit(0)
+started = time.monotonic()
+try:
+    gather_to_zero({"findings": []}, 2.0)
+except PeerLost as error:
+    print(f"PEER_LOST after {time.monotonic() - started:.1f}s: {error}")
+    os._exit(0)
+print("gathered: no bound")
+os._exit(1)
+"""
+
+
+def test_a_silent_peer_is_lost_after_peer_timeout_s(tmp_path):
+    """A peer that is alive but never answers (hung, stopped): the guard's gather gives up after
+    its timeout with PeerLost, on real gloo, two processes."""
+    script = tmp_path / "silent_peer.py"
+    script.write_text(_SILENT_PEER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port), "PYTHONWARNINGS": "ignore", "PYTHONPATH": REPO})
+             for r in (0, 1)]
+    out0, _ = procs[0].communicate(timeout=60)
+    procs[1].kill()
+    procs[1].communicate()
+    assert procs[0].returncode == 0, out0
+    seconds = float(out0.split("PEER_LOST after ")[1].split("s:")[0])
+    assert 1.5 <= seconds <= 10, out0
+
+
+_FAIL_ON_RANK_ZERO = """
+import os
+if os.environ.get("RANK") == "0":
+    import megatron_patches.monitor as monitor
+
+    def _describe(*args, **kwargs):
+        raise KeyError("a bug in the guard, planted by the test")
+
+    monitor._describe = _describe
+"""
+
+
+def test_an_error_on_rank_zero_while_deciding_is_broadcast_as_a_stop(tmp_path):
+    """Rank 0 raises between the gather and the broadcast (a planted bug: the only fake here,
+    put in through sitecustomize). The other rank must not wait in the broadcast: both stop
+    with the critical code, and the record says what failed."""
+    from rank_launcher import run_ranks
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_FAIL_ON_RANK_ZERO)
+    out = tmp_path / "run"
+    started = time.monotonic()
+    ranks = run_ranks(2, ["--out", str(out), "--steps", "8", "--inject", "nan:step=3"], timeout=240,
+                      extra_env={"PYTHONPATH": os.pathsep.join([str(site), REPO])})
+    assert [r.returncode for r in ranks] == [EXIT_CRITICAL, EXIT_CRITICAL], [_rank_lines(r) for r in ranks]
+    assert time.monotonic() - started < 120
+    (record,) = [json.loads(line) for line in (out / INCIDENTS_FILE).read_text().splitlines()]
+    assert record["step"] == 3 and record["severity"] == "critical" and record["kind"] == "guard_error"
+    assert "KeyError" in record["message"] and "planted by the test" in record["message"]
+
+
+# --- webhook URLs ---------------------------------------------------------------------
+
+SECRET = "T0SECRET/B0SECRET/xoxbTOKEN"
+
+
+@pytest.mark.parametrize("url", [f"hooks.example.com/services/{SECRET}", f"ftp://hooks.example.com/{SECRET}",
+                                 "ftp://user:xoxbTOKEN@hooks.example.com/x?token=xoxbTOKEN"])
+def test_a_bad_webhook_url_is_refused_showing_only_its_host(url):
+    with pytest.raises(ConfigError) as caught:
+        Config.from_dict({"alerts": {"webhooks": [{"url": url}]}})
+    message = str(caught.value)
+    assert "SECRET" not in message and "TOKEN" not in message, message
+    assert "hooks.example.com/…" in message and "`alerts.webhooks[0].url` must be an http://" in message
+
+
+def test_a_webhook_url_of_the_wrong_type_is_not_echoed():
+    with pytest.raises(ConfigError) as caught:
+        Config.from_dict({"alerts": {"webhooks": [{"url": [f"https://hooks.example.com/{SECRET}"]}]}})
+    assert "SECRET" not in str(caught.value) and "not shown" in str(caught.value)
+
+
+def test_effective_config_shows_the_webhook_host_and_the_run_posts_to_the_whole_url(tmp_path):
+    """The harness's effective_config.yaml is for people: host only. The ranks still post to the
+    whole URL (a loopback receiver sees the secret path), and no copy of it is left on disk."""
+    import yaml
+    from test_alerts import Receiver
+
+    receiver = Receiver()
+    try:
+        config = tmp_path / "guard.yaml"
+        config.write_text(f"alerts:\n  webhooks:\n    - url: {receiver.url}/hook/{SECRET}\n"
+                          "response:\n  on_error: stop\n  persist_steps: 2\n")
+        out = tmp_path / "run"
+        run = run_tiny(out, "--steps", "6", "--config", str(config), "--inject", "nan:step=2,count=2")
+        assert run.returncode == EXIT_STOP, run.output[-3000:]
+        written = (out / "effective_config.yaml").read_text()
+        assert "SECRET" not in written, written
+        assert yaml.safe_load(written)["alerts"]["webhooks"][0]["url"] == "http://127.0.0.1/…"
+        assert [path for path, _, _ in receiver.posts] == [f"/hook/{SECRET}"]
+    finally:
+        receiver.stop()
+    leftovers = [p for p in (out.rglob("*")) if p.is_file() and SECRET.encode() in p.read_bytes()]
+    assert leftovers == []
+
+
+# --- markers and the ledger that cannot be written ------------------------------------------
+
+_MARKER_FAILS = """
+import errno, os
+import megatron_patches.checkpoint as checkpoint
+
+_write = checkpoint.write_json_atomic
+
+def write_json_atomic(path, value, **kwargs):
+    if path.endswith(checkpoint.MARKER) and value.get("step") == 4:
+        raise OSError(errno.ENOSPC, "No space left on device (planted by the test)", path)
+    return _write(path, value, **kwargs)
+
+checkpoint.write_json_atomic = write_json_atomic
+"""
+
+
+def test_a_checkpoint_that_cannot_be_marked_is_no_rollback_target_and_training_goes_on(tmp_path):
+    """The marker of the step-4 checkpoint fails to write on rank 0 (a planted ENOSPC, through
+    sitecustomize: the only fake). Before, rank 0 raised inside save_checkpoint while rank 1
+    waited at its barrier."""
+    from rank_launcher import run_ranks
+
+    from megatron_patches.checkpoint import list_checkpoints
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_MARKER_FAILS)
+    out = tmp_path / "run"
+    ranks = run_ranks(2, ["--out", str(out), "--steps", "8", "--save-interval", "4"], timeout=240,
+                      extra_env={"PYTHONPATH": os.pathsep.join([str(site), REPO])})
+    assert [r.returncode for r in ranks] == [0, 0], [_rank_lines(r) for r in ranks]
+    assert "checkpoint step 4 could not be marked" in ranks[0].stdout
+    assert "never a rollback target" in ranks[0].stdout
+    listed = {step: healthy for step, _, healthy in list_checkpoints(str(out / "checkpoints"))}
+    assert 4 not in listed and listed.get(8) is True, listed
+    assert json.loads((out / "result.json").read_text())["params_finite"]
+
+
+def test_a_ledger_that_cannot_be_written_turns_a_rollback_exit_into_a_stop(tmp_path, guard_log):
+    """Exit-and-restart: rank 0 writes the ledger before every rank exits 84. Where it cannot
+    (the ledger's path is a directory), a restart would not know why: the exit becomes 86."""
+    from megatron_patches.monitor import GradMonitor
+    from megatron_patches.recovery import ExitAndRestart
+    from megatron_patches.response import EXIT_ROLLBACK
+
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    executor = ExitAndRestart(GradMonitor(Config()), str(root))
+    (root / "megatron_patches_ledger.json").mkdir()  # now the write fails
+    assert executor._on_exit(EXIT_ROLLBACK) == EXIT_CRITICAL
+    assert any("the ledger could not be written" in r.getMessage() for r in guard_log.records)
+    assert executor._on_exit(EXIT_STOP) is None  # only a rollback needs the ledger
+
+
+def test_the_kill_drill_parses_strictly_and_fires_once():
+    from megatron_patches.inject import Injector, parse_spec
+
+    for bad in ("kill:step=3", "kill:rank=1", "kill:step=3,rank=1,param=x", "kill:step=3,rank=1,count=2"):
+        with pytest.raises(ConfigError, match="kill takes exactly step=S and rank=R"):
+            parse_spec(bad)
+    injector = Injector([parse_spec("kill:step=3,rank=1")])
+    assert not injector  # no gradient drill: the hooks hand no gradients over for it
+    assert not injector.kills(3, 0) and not injector.kills(2, 1)
+    assert injector.kills(3, 1) and not injector.kills(3, 1)

@@ -72,6 +72,7 @@ def build(config: Any) -> list:
     """The detectors ``config`` switches on, in a fixed order (the vector layout depends on it)."""
     from .consistency import ConsistencyDetector
     from .history import HistoryDetector
+    from .peers import PeersDetector
 
     settings = config.detectors
     detectors: list = []
@@ -79,4 +80,6 @@ def build(config: Any) -> list:
         detectors.append(HistoryDetector(settings.history))
     if settings.consistency.enabled:
         detectors.append(ConsistencyDetector(settings.consistency))
+    if settings.peers.enabled:
+        detectors.append(PeersDetector(settings.peers))
     return detectors

@@ -3,21 +3,27 @@
 After the data-parallel reduction every replica holds the same gradients (without the
 distributed optimizer), and after the parameter all-gather every replica holds the same
 parameters (with or without it). A card that silently corrupts a value breaks that. Each
-rank writes a fingerprint of what it holds into its own ``k`` floats of the monitor's
-all-reduced vector (zeros elsewhere), so the SUM all-reduce acts as an all-gather:
+rank takes a fingerprint of what it holds, on the device:
 
-- the key of its data-parallel group (lowest global rank in it, plus one: 0 means absent),
-- the sum of squared per-tensor L2 norms (fp32; the distance used to break a 1:1 tie),
+- the sum of squared per-tensor L2 norms (fp32; the distance used to break a 1:1 tie), as its
+  32 bits in two 16-bit halves,
 - an exact 48-bit checksum of the raw bits: each tensor's bits summed as 32-bit integers
   (modulo 2**32), weighted by an odd number per tensor, summed and folded into two 24-bit
-  halves (each exact in fp32). Integer addition is order-independent, so the checksum is the
-  same on every replica whatever the reduction order or the hardware, and any single flipped
-  bit changes it (an odd weight is invertible modulo 2**32).
+  halves. Integer addition is order-independent, so the checksum is the same on every replica
+  whatever the reduction order or the hardware, and any single flipped bit changes it (an odd
+  weight is invertible modulo 2**32).
 
-On the host every rank splits the reduced vector by group and finds the ranks that differ
-from the majority. With two replicas (no majority) the replica whose squared norm is farther
-from the group's last accepted value is suspected, and the record says so
-(``decided_by``). Only then, on the slow path, the ranks of each group exchange per-tensor
+Four integers below 2**24, each exact in fp32. One MAX all-reduce of ``[x, -x]`` over the
+rank's data-parallel group gives every member the group's largest and smallest value of each;
+the spread (largest minus smallest, summed) is 0 exactly when the replicas agree. Each rank
+adds its group's spread to one float of the monitor's SUM vector: a sum of non-negative
+numbers, 0 exactly when every group agrees. So the monitor's vector carries one float for
+this check whatever the size of the job (8 floats go over each data-parallel group).
+
+Only when that float is not 0, on the slow path, the world exchanges fingerprints, every rank
+finds the ranks that differ from their group's majority; with two replicas (no majority) the
+replica whose squared norm is farther from the group's last accepted value is suspected, and
+the record says so (``decided_by``). The ranks of each group then exchange per-tensor
 fingerprints to name the parameters that differ, and the world exchanges host names.
 """
 
@@ -25,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import weakref
 from collections import Counter
 from typing import Any, Optional
@@ -36,8 +41,8 @@ from . import CheckContext, Detector
 
 log = logging.getLogger("megatron_patches")
 
-_K = 4  # floats per rank: group key + 1, sum of squared norms, checksum low 24 bits, high 24 bits
 _MASK24 = (1 << 24) - 1
+_MASK16 = (1 << 16) - 1
 
 
 def _bits_sum(t: torch.Tensor) -> torch.Tensor:
@@ -79,16 +84,19 @@ class ConsistencyDetector(Detector):
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
-        self._width: Optional[int] = None
         self._checks = 0
         self._active = False
         self._group: Optional[tuple] = None  # (key, ranks, process group)
         self._chunks: list = []
         self._mode = "grads"
         self._weights: dict = {}
-        self._last_good: dict[int, float] = {}
-        self._groups: dict[int, dict[int, tuple]] = {}
+        self._fp: Optional[torch.Tensor] = None  # this check's [sum of squares, checksum low, high]
+        self._count = 0  # tensors fingerprinted (before sampling)
+        # Sum of squares at the last accepted check, per share of the tensors it covered (with
+        # params sampled, checks of different shares are not comparable): kept on the device.
+        self._last_good: dict[int, torch.Tensor] = {}
         self._found: Optional[dict] = None
+        self._groups: dict[int, dict[int, tuple]] = {}
         self._mine: dict[int, list[str]] = {}
         self._who: dict[int, dict] = {}
         self._warned = False
@@ -96,23 +104,7 @@ class ConsistencyDetector(Detector):
     # --- layout ----------------------------------------------------------------------
 
     def width(self) -> int:
-        # Fixed on first use. The monitor may be built before torch.distributed starts (at the
-        # top of pretrain_gpt.py); then the launcher's WORLD_SIZE says how many ranks will join.
-        if self._width is None:
-            world = (torch.distributed.get_world_size() if torch.distributed.is_initialized()
-                     else int(os.environ.get("WORLD_SIZE", "1")))
-            self._width = _K * world if world > 1 else 0
-        return self._width
-
-    def _world_ok(self) -> bool:
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        if self.width() == _K * world and world > 1:
-            return True
-        if not self._warned and world > 1:
-            log.warning("consistency check off: the monitor was built for %d rank(s) but the job has %d; "
-                        "set WORLD_SIZE before importing megatron_patches.apply", self.width() // _K, world)
-            self._warned = True
-        return False
+        return 1  # the sum over the job of each group's spread: the same at any world size
 
     def _dp_group(self) -> tuple:
         if self._group is None:
@@ -130,37 +122,47 @@ class ConsistencyDetector(Detector):
 
     def local(self, ctx: CheckContext, out: torch.Tensor) -> None:
         self._checks += 1
-        self._active = (self._checks - 1) % self.cfg.interval == 0 and self._world_ok()
-        self._found, self._mine, self._groups = None, {}, {}
+        self._active = ((self._checks - 1) % self.cfg.interval == 0 and torch.distributed.is_initialized()
+                        and torch.distributed.get_world_size() > 1)
+        self._found, self._mine, self._groups, self._fp = None, {}, {}, None
         if not self._active:
             return
-        key, ranks, _ = self._dp_group()
+        key, ranks, group = self._dp_group()
         if len(ranks) < 2:
             self._active = False
             return
-        base = torch.distributed.get_rank() * _K
-        out[base] = key + 1
         tensors, norms = self._fingerprinted(ctx)
+        sample = self._sample(len(tensors)) if tensors else None
+        if sample is not None:
+            tensors = [tensors[i] for i in sample]
+            if self._mode == "params":  # the norms were not read: take them over the share only
+                norms = torch.stack(torch._foreach_norm(tensors))
+        square = norms.float().square().sum() if tensors else torch.zeros((), device=ctx.device)
         if not tensors:
-            return
-        out[base + 1] = norms.float().square().sum()
-        sample = self._sample(len(tensors))
-        if sample is None:
-            sums, weights = _tensor_sums(tensors), self._odd_weights(len(tensors), ctx.device)
+            total = torch.zeros((), dtype=torch.int64, device=ctx.device)
         else:
-            sums = _tensor_sums([tensors[i] for i in sample])
-            weights = self._odd_weights(len(tensors), ctx.device)[torch.tensor(sample, device=ctx.device)]
-        total = (sums * weights.to(sums.device)).sum()  # exact in int64
-        out[base + 2] = (total & _MASK24).float()
-        out[base + 3] = ((total >> 24) & _MASK24).float()
+            weights = self._odd_weights(self._count, ctx.device)
+            if sample is not None:
+                weights = weights[torch.tensor(sample, device=ctx.device)]
+            total = (_tensor_sums(tensors) * weights.to(ctx.device)).sum()  # exact in int64
+        bits = square.reshape(1).view(torch.int32).to(torch.int64)[0]
+        low, high = total & _MASK24, (total >> 24) & _MASK24
+        self._fp = torch.stack([square, low.float().to(square.device), high.float().to(square.device)])
+        ints = torch.stack([bits & _MASK16, (bits >> 16) & _MASK16, low.to(bits.device), high.to(bits.device)])
+        both = torch.cat([ints, -ints]).float().to(out.device)
+        torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=group)
+        out[0] = (both[:4] + both[4:]).sum()  # largest minus smallest: 0 when the group agrees
 
     def _fingerprinted(self, ctx: CheckContext) -> tuple[list, Optional[torch.Tensor]]:
-        """What the replicas must agree on: dense gradients, or parameters (distributed optimizer)."""
+        """What the replicas must agree on: dense gradients with their norms (already read by the
+        guard), or parameters (distributed optimizer) with None: their norms are taken over the
+        share that :meth:`local` samples."""
         self._mode = self._target(ctx)
         if self._mode == "grads":
             if ctx.norms is None:
                 return [], None
             keep = [i for i, e in enumerate(ctx.entries) if getattr(e.model, "allreduce", True)]
+            self._count = len(keep)
             if len(keep) == len(ctx.entries):
                 return list(ctx.grads), ctx.norms
             return [ctx.grads[i] for i in keep], ctx.norms[torch.tensor(keep, device=ctx.norms.device)]
@@ -169,9 +171,12 @@ class ConsistencyDetector(Detector):
             log.warning("consistency check (params) idle: no model seen before the gradient reduction "
                         "(finalize_model_grads is not patched or not called)")
             self._warned = True
+        self._count = len(params)
         if not params:
             return [], None
-        return params, torch.stack(torch._foreach_norm(params))
+        if self._sample(len(params)) is None:
+            return params, torch.stack(torch._foreach_norm(params))
+        return params, None
 
     def _target(self, ctx: CheckContext) -> str:
         if self.cfg.target != "auto":
@@ -186,6 +191,14 @@ class ConsistencyDetector(Detector):
     def _params(self) -> list:
         return [p.detach() for c in self._live_chunks() for p in c.parameters()
                 if p.requires_grad and getattr(p, "allreduce", True) and p.numel() > 0]
+
+    def _share(self) -> int:
+        """Which rotating share of the tensors this check's sum of squares covers (0: all of
+        them, or with grads, whose norms always cover all)."""
+        period = max(1, round(1.0 / self.cfg.sample_fraction))
+        if period == 1 or self._mode == "grads":
+            return 0
+        return ((self._checks - 1) // self.cfg.interval) % period
 
     def _sample(self, size: int) -> Optional[list[int]]:
         """Tensors whose bits are checksummed this time: all (None), or a rotating 1/m of them."""
@@ -203,17 +216,25 @@ class ConsistencyDetector(Detector):
     # --- host ------------------------------------------------------------------------
 
     def verdict(self, ctx: CheckContext, reduced: list) -> list:
-        if not self._active:
+        if not self._active or not reduced[0] > 0:
             return []
+        # Slow path: some group disagrees. Every rank learns every rank's fingerprint.
+        key, _, _ = self._dp_group()
+        me = torch.distributed.get_rank()
+        mine = {"rank": me, "key": key, "fp": tuple(self._fp.tolist()),
+                "last_good": _finite_or_none(self._last_good.get(self._share()))}
+        world = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(world, mine)
         groups: dict[int, dict[int, tuple]] = {}
-        for rank in range(len(reduced) // _K):
-            key = reduced[rank * _K]
-            if key > 0:
-                groups.setdefault(int(key) - 1, {})[rank] = tuple(reduced[rank * _K + 1:rank * _K + _K])
+        refs: dict[int, Optional[float]] = {}
+        for part in world:
+            groups.setdefault(part["key"], {})[part["rank"]] = part["fp"]
+            if part["rank"] == part["key"]:  # the group's lowest rank keeps its reference
+                refs[part["key"]] = part["last_good"]
         found = {}
-        for key, members in groups.items():
+        for group_key, members in groups.items():
             if len(set(map(_comparable, members.values()))) > 1:
-                found[key] = self._deviants(key, members)
+                found[group_key] = self._deviants(members, refs.get(group_key))
         self._groups = groups
         if not found:
             return []
@@ -221,7 +242,7 @@ class ConsistencyDetector(Detector):
         self._localize(ctx, found)
         return ["rank_mismatch"]
 
-    def _deviants(self, key: int, members: dict) -> dict:
+    def _deviants(self, members: dict, ref: Optional[float]) -> dict:
         """Which ranks of one group differ, and how that was decided."""
         clusters: dict[tuple, list[int]] = {}
         for rank, fp in sorted(members.items()):
@@ -230,7 +251,6 @@ class ConsistencyDetector(Detector):
         if len(ordered[0]) * 2 > len(members):
             good, how = ordered[0], "majority"
         else:
-            ref = self._last_good.get(key)
             distance = {tuple(c): _distance(members[c[0]][0], ref) for c in ordered}
             ranked = sorted(ordered, key=lambda c: distance[tuple(c)])
             if ref is None or distance[tuple(ranked[0])] == distance[tuple(ranked[1])]:
@@ -299,23 +319,39 @@ class ConsistencyDetector(Detector):
         }
 
     def commit(self, ctx: CheckContext, accepted: bool) -> None:
-        if self._active and accepted:
-            for key, members in self._groups.items():
-                found = (self._found or {}).get(key)
-                good = [r for r in members if found is None or r not in found["suspected"]]
-                if good and math.isfinite(members[good[0]][0]):
-                    self._last_good[key] = members[good[0]][0]
+        """An accepted check's sum of squares becomes the group's reference (kept on the device:
+        a quiet check reads nothing)."""
+        if not (self._active and accepted and self._fp is not None):
+            return
+        current = self._fp[0].detach()
+        if self._found is not None:  # slow path: a suspected replica keeps the old reference
+            if torch.distributed.get_rank() in {r for g in self._found.values() for r in g["suspected"]}:
+                return
+        share = self._share()
+        previous = self._last_good[share].to(current.device) if share in self._last_good else current
+        self._last_good[share] = torch.where(torch.isfinite(current), current, previous)
 
     # --- state -----------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"version": 1, "checks": self._checks, "last_good": {str(k): v for k, v in self._last_good.items()}}
+        """Read at checkpoint time only (one host read then)."""
+        return {"version": 2, "checks": self._checks,
+                "last_good": {str(k): _finite_or_none(v) for k, v in self._last_good.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         if not state:
             return
         self._checks = int(state.get("checks", 0))
-        self._last_good = {int(k): float(v) for k, v in state.get("last_good", {}).items()}
+        values = state.get("last_good") or {}
+        if state.get("version", 1) == 1:  # keyed by data-parallel group then, every tensor covered
+            key = self._dp_group()[0] if torch.distributed.is_initialized() else 0
+            values = {"0": values.get(str(key))}
+        self._last_good = {int(k): torch.tensor(float(v)) for k, v in values.items() if isinstance(v, (int, float))}
+
+
+def _finite_or_none(value: Optional[torch.Tensor]) -> Optional[float]:
+    number = float(value) if value is not None else None
+    return number if number is not None and math.isfinite(number) else None
 
 
 def _comparable(fp: tuple) -> tuple:

@@ -70,6 +70,21 @@ TARGETS: tuple[PatchTarget, ...] = (
         "Callers that clip through clip_grad_norm without prepare_grads still get a check.",
     ),
     PatchTarget(
+        _OPT,
+        "ChainedOptimizer.get_grad_norm",
+        hooks.get_grad_norm_wrapper,
+        "ChainedOptimizer.step takes the clipping norm from here right after prepare_grads: on a "
+        "checked step the guard's own pass already holds it (megatron_patches.served_norm), so "
+        "Megatron's second read of every gradient, its all-reduce and its host read are left out.",
+    ),
+    PatchTarget(
+        _OPT,
+        "MegatronOptimizer.get_grad_norm",
+        hooks.get_grad_norm_wrapper,
+        "The same for a leaf asked directly after its own checked prepare_grads (a loop without a "
+        "chain). A leaf's own step() clips through clip_grad_norm, which stays stock.",
+    ),
+    PatchTarget(
         "megatron.core.optimizer",
         "get_megatron_optimizer",
         hooks.get_optimizer_wrapper,
