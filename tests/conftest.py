@@ -100,6 +100,18 @@ def megatron_lm_dir() -> Path:
     return path
 
 
+def source_tree(variable: str, needed: str, example: str) -> Path:
+    """The source tree named by environment ``variable`` (MINDSPEED_DIR, ...), or a skip saying
+    why: unset, or without the file ``needed`` (relative to the tree)."""
+    value = os.environ.get(variable)
+    if not value:
+        pytest.skip(f"{variable} not set: point it at {example}")
+    path = Path(value)
+    if not (path / needed).is_file():
+        pytest.skip(f"{variable}={value} has no {needed}")
+    return path
+
+
 # --- tests that run on one megatron-core line --------------------------------------------------
 
 EVERY_LINE = "MEGATRON_PATCHES_EVERY_LINE"

@@ -46,13 +46,10 @@ the neighbouring shard of the bf16 parameter buffer."""
 
 @pytest.fixture(scope="module")
 def mindspeed_dir() -> Path:
-    value = os.environ.get("MINDSPEED_DIR")
-    if not value:
-        pytest.skip("MINDSPEED_DIR not set: point it at a MindSpeed source tree (e.g. tag v26.0.0_core_r0.12.1)")
-    path = Path(value)
-    if not (path / "mindspeed" / "core" / "memory" / "reuse_param" / "adaptor.py").is_file():
-        pytest.skip(f"MINDSPEED_DIR={value} has no mindspeed/core/memory/reuse_param/adaptor.py")
-    return path
+    from conftest import source_tree  # here: this file also runs as a script (the scenarios)
+
+    return source_tree("MINDSPEED_DIR", "mindspeed/core/memory/reuse_param/adaptor.py",
+                       "a MindSpeed source tree (e.g. tag v26.0.0_core_r0.12.1)")
 
 
 @pytest.fixture(scope="module")

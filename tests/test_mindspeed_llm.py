@@ -97,13 +97,10 @@ def test_rollback_through_a_loop_that_ignores_iterations_to_skip_standin(tmp_pat
 
 @pytest.fixture(scope="module")
 def mindspeed_llm_dir() -> Path:
-    value = os.environ.get("MINDSPEED_LLM_DIR")
-    if not value:
-        pytest.skip("MINDSPEED_LLM_DIR not set: point it at a MindSpeed-LLM source tree (e.g. tag 26.0.0)")
-    path = Path(value)
-    if not (path / "mindspeed_llm" / "training" / "training.py").is_file():
-        pytest.skip(f"MINDSPEED_LLM_DIR={value} has no mindspeed_llm/training/training.py")
-    return path
+    from conftest import source_tree
+
+    return source_tree("MINDSPEED_LLM_DIR", "mindspeed_llm/training/training.py",
+                       "a MindSpeed-LLM source tree (e.g. tag 26.0.0)")
 
 
 def _tree(path: Path) -> ast.Module:
