@@ -221,6 +221,10 @@ class Loop:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                 "-m", "megatron_patches.testing.pretrain_cpu", *script, *TINY, *extra]
 
+    def run(self, env: dict, *extra: str) -> subprocess.CompletedProcess:
+        """Train with ``extra`` flags under ``env`` from the repository root (10 minutes at most)."""
+        return subprocess.run(self.command(*extra), capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+
     def checkpoint_format(self) -> list[str]:
         """torch_dist saves of core <= 0.15 call np.product, gone in NumPy 2: the legacy format then."""
         import numpy
@@ -294,8 +298,7 @@ def test_pretrain_gpt_names_the_parameter_at_megatrons_iteration(loop_kind, requ
     loop = make_loop(loop_kind, request, tmp_path, only=None)  # a checkout: the full source patch
     tensorboard = tmp_path / "tb"
     env = guard_env(tmp_path, inject=[f"nan:step=3,param={FC1}"])
-    proc = subprocess.run(loop.command("--tensorboard-dir", str(tensorboard)),
-                          capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    proc = loop.run(env, "--tensorboard-dir", str(tensorboard))
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
 
@@ -366,18 +369,16 @@ def test_detector_baselines_survive_a_megatron_lm_restart(loop_kind, request, tm
     save = tmp_path / "ckpt"
     history = {"detectors": {"history": {"warmup_steps": 8}}}
     # A 14-iteration job stopped by Megatron's --exit-interval at 12 (it saves there), then resumed.
-    first = subprocess.run(loop.command("--save", str(save), "--save-interval", "12", *loop.checkpoint_format(),
-                                        "--train-iters", "14", "--exit-interval", "12"),
-                           capture_output=True, text=True, timeout=600, cwd=REPO, env=guard_env(tmp_path, **history))
+    first = loop.run(guard_env(tmp_path, **history), "--save", str(save), "--save-interval", "12",
+                     *loop.checkpoint_format(), "--train-iters", "14", "--exit-interval", "12")
     assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
     assert sorted(p.name for p in (save / "iter_0000012" / megatron_lm.STATE_DIR).iterdir()) == [
         "rank_00000.json", "rank_00001.json"]
     assert incidents(tmp_path) == []
 
     env = guard_env(tmp_path, **history, inject=[f"spike:step=13,param={FC1},factor=100"])
-    resumed = subprocess.run(loop.command("--save", str(save), "--load", str(save), "--save-interval", "100",
-                                          *loop.checkpoint_format(), "--train-iters", "14"),
-                             capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    resumed = loop.run(env, "--save", str(save), "--load", str(save), "--save-interval", "100",
+                       *loop.checkpoint_format(), "--train-iters", "14")
     output = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, output[-4000:]
     assert "guard state of iteration 12 restored" in output
@@ -393,9 +394,8 @@ def test_wandb_offline_run_holds_the_guards_series(loop_kind, request, tmp_path)
     loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
     env = {**guard_env(tmp_path, inject=[f"nan:step=3,param={FC1}"]), "WANDB_MODE": "offline",
            "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path)}
-    proc = subprocess.run(loop.command("--wandb-project", "guard-ci", "--wandb-exp-name", "tiny",
-                                       "--wandb-save-dir", str(tmp_path / "wandb")),
-                          capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    proc = loop.run(env, "--wandb-project", "guard-ci", "--wandb-exp-name", "tiny",
+                    "--wandb-save-dir", str(tmp_path / "wandb"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     [run_file] = (tmp_path / "wandb").glob("wandb/offline-run-*/run-*.wandb")
     series: dict[str, dict[int, float]] = {}
@@ -446,7 +446,7 @@ def one_off_local_nan(loop: Loop, tmp_path: Path, *extra: str) -> tuple[str, dic
     """Stock flags (Megatron's pre-reduction NaN check on, --rerun-mode validate_results), 2 ranks,
     one NaN in rank 1's own fc1 gradient at iteration 4: the run must end 0 with one incident."""
     env = guard_env(tmp_path, inject=[f"nan:step=4,rank=1,phase=local,param={FC1}"])
-    proc = subprocess.run(loop.command(*extra), capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    proc = loop.run(env, *extra)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     # Megatron's rerun machine is not asked: no rerun, no "possible transient error", no exit 17.
@@ -512,8 +512,7 @@ def test_expert_parallel_job_is_refused_at_start_with_exit_2_and_one_line(loop_k
     """A variant the guard does not check yet (here MoE with EP > 1) stops the job before the
     first iteration: exit code 2, one line on rank 0 naming the flag, no worker traceback."""
     loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
-    proc = subprocess.run(loop.command("--num-experts", "2", "--expert-model-parallel-size", "2"),
-                          capture_output=True, text=True, timeout=600, cwd=REPO, env=guard_env(tmp_path))
+    proc = loop.run(guard_env(tmp_path), "--num-experts", "2", "--expert-model-parallel-size", "2")
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0 and re.search(r"exitcode\s*: 2\b", output), output[-4000:]
     refusals = [line for line in output.splitlines() if "is not supported by megatron_patches yet" in line]
@@ -531,9 +530,8 @@ def test_interleaved_pipeline_names_the_parameter_on_its_virtual_stage(loop_kind
     loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
     name = "decoder.layers.2.mlp.linear_fc1.weight"
     env = guard_env(tmp_path, inject=[f"nan:step=3,param={name}"])
-    proc = subprocess.run(loop.command("--pipeline-model-parallel-size", "2", "--num-layers", "4",
-                                       "--num-layers-per-virtual-pipeline-stage", "1"),
-                          capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    proc = loop.run(env, "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                    "--num-layers-per-virtual-pipeline-stage", "1")
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     [incident] = incidents(tmp_path)
@@ -568,9 +566,8 @@ def test_a_marker_that_cannot_be_written_never_ends_the_job(loop_kind, request, 
     blocked = save / "iter_0000002"
     (blocked / checkpoint.MARKER).mkdir(parents=True)
     (blocked / megatron_lm.STATE_DIR / "rank_00000.json").mkdir(parents=True)
-    proc = subprocess.run(loop.command("--save", str(save), "--save-interval", "2", "--train-iters", "4",
-                                       *loop.checkpoint_format()),
-                          capture_output=True, text=True, timeout=600, cwd=REPO, env=guard_env(tmp_path))
+    proc = loop.run(guard_env(tmp_path), "--save", str(save), "--save-interval", "2", "--train-iters", "4",
+                    *loop.checkpoint_format())
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert "checkpoint iteration 2 could not be marked" in output and "guard state" in output
