@@ -91,11 +91,14 @@ class HistoryConfig:
     """Decay of the moving mean and variance of log(norm) per checked step (0.98: ~50 steps)."""
     warmup_steps: int = field(default=20, metadata={"check": _at_least_one})
     """Accepted samples a series needs before it is judged (a restored baseline counts)."""
-    zscore: float = field(default=6.0, metadata={"check": _positive})
-    """Flag log(norm) more than this many standard deviations above its moving mean..."""
-    min_ratio: float = field(default=4.0, metadata={"check": _at_least_one})
-    """...and the norm more than this many times its baseline exp(mean) (1 = z-score alone)."""
-    drift_steps: int = field(default=5, metadata={"check": _at_least_one})
+    zscore: float = field(default=8.0, metadata={"check": _positive})
+    """Flag a log-value more than this many standard deviations above its moving mean..."""
+    min_ratio: float = field(default=16.0, metadata={"check": _at_least_one})
+    """...and a parameter's or a layer's share (its norm over the norm of the rest) more than
+    this many times its baseline exp(mean) (1 = z-score alone)..."""
+    total_min_ratio: float = field(default=20.0, metadata={"check": _at_least_one})
+    """...or the whole model's norm more than this many times its baseline."""
+    drift_steps: int = field(default=8, metadata={"check": _at_least_one})
     """Flag growth on this many consecutive checked steps..."""
     drift_ratio: float = field(default=1.2, metadata={"check": _above_one})
     """...each by more than this factor over the last accepted norm."""

@@ -207,3 +207,42 @@ def test_resume_keeps_the_history_baseline_end_to_end(tmp_path):
     records = [r for r in resumed.incidents if r["step"] == 31]
     assert len(records) == 1 and records[0]["kind"] == "zscore", resumed.incidents
     assert records[0]["first"]["name"] == name
+
+
+# --- shares: a loss spike that lifts the whole model is not a fault in each tensor ---------
+
+
+def test_shares_remove_the_common_mode_and_keep_a_lone_spike():
+    import numpy as np
+
+    from megatron_patches.detectors.history import shares
+
+    norms = np.array([1.0, 2.0, 3.0, 0.5])
+    base = shares(norms)
+    assert base[0] == pytest.approx(1.0 / math.sqrt(4.0 + 9.0 + 0.25))
+    assert np.allclose(shares(norms * 7.0), base)  # everything x7 at once: no share moves
+    spiked = norms.copy()
+    spiked[1] *= 100.0
+    out = shares(spiked)
+    assert out[1] == pytest.approx(100.0 * base[1])  # the rest of the model is unchanged for it
+    assert np.all(out[[0, 2, 3]] < base[[0, 2, 3]])  # the others' rest grew: their shares fell
+    as_torch = shares(torch.tensor(spiked, dtype=torch.float32))
+    assert as_torch.dtype == torch.float32 and np.allclose(as_torch.numpy(), out, rtol=1e-6)
+    # A non-finite norm is in no one's rest (the non-finite check owns it); a zero share is
+    # invalid to the detector; a series alone (or holding all of the sum) reads as 1e8.
+    assert list(shares(np.array([np.inf, 1.0, 1.0]))[1:]) == [1.0, 1.0]
+    assert shares(np.array([0.0, 1.0]))[0] == 0.0
+    assert shares(np.array([3.0]))[0] == pytest.approx(1e8)
+
+
+def test_a_baseline_of_raw_norms_from_an_older_version_is_dropped(caplog):
+    from megatron_patches.config import HistoryConfig
+    from megatron_patches.detectors.history import HistoryDetector
+
+    old = {"version": 1, "checks": 40, "total": {"mean": [0.1], "var": [0.01], "count": [40.0], "last": [0.1],
+                                                 "run": [0.0]}}
+    detector = HistoryDetector(HistoryConfig())
+    with caplog.at_level("WARNING"):
+        detector.load_state_dict(old)
+    assert "older kind" in caplog.text
+    assert "total" not in detector.state_dict()  # warms up again instead of judging shares by norms

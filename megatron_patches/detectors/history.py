@@ -2,12 +2,16 @@
 
 Three levels are watched: every parameter (this rank's, on the device), every layer and the
 whole model (world-wide norms the monitor has already reduced, so judged on the host with
-no extra collective). Each level keeps, in log space, an exponential moving mean and
-variance, a count of accepted samples, the last accepted value and a growth run length:
+no extra collective). A parameter and a layer are judged by their *share*: the norm over the
+norm of the rest (this rank's other parameters; the other layers), so that a natural loss
+spike, which lifts the whole model at once, does not look like a fault in each tensor; the
+whole model is judged by its norm. Each series keeps, in log space, an exponential moving
+mean and variance, a count of accepted samples, the last accepted value and a growth run length:
 
-- ``zscore``: ``log(norm)`` is more than ``zscore`` standard deviations above the moving
-  mean *and* the norm is more than ``min_ratio`` times the baseline ``exp(mean)``.
-- ``drift`` (layers and total only): the norm grew by more than ``drift_ratio`` on each of
+- ``zscore``: the log-value is more than ``zscore`` standard deviations above the moving
+  mean *and* more than ``min_ratio`` times the baseline ``exp(mean)`` (``total_min_ratio``
+  for the whole model's norm).
+- ``drift`` (layers and total only): the value grew by more than ``drift_ratio`` on each of
   ``drift_steps`` consecutive checked steps. Single tensors are too noisy for a per-step rule
   (a layer-norm bias grows 20% five times in a row in clean runs); a tensor that keeps
   growing trips its own z-score within a few steps, and a growth that matters shows in its layer.
@@ -22,7 +26,10 @@ See docs/detectors.md for why EMA rather than median/MAD, and what the defaults 
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -31,12 +38,20 @@ import torch
 
 from . import CheckContext, Detector
 
+log = logging.getLogger(__name__)
+
 _CLIP = 2.0
 """Once warm, an accepted sample moves the statistics as if it were at most this many
 standard deviations from the mean (a Huber-style winsorized update)."""
 _MIN_SD = 1e-3
 """Floor on the standard deviation in log space (a perfectly steady series is not infinitely sure)."""
 _Z = 0  # slot of this detector's piece of the reduced vector: parameters over their z-score
+_STATE_VERSION = 2
+"""Version 2 keeps shares for parameters and layers; a version-1 baseline (raw norms) is not
+comparable with them and is dropped at load (the detector warms up again)."""
+_TRACE = "MEGATRON_PATCHES_HISTORY_TRACE"
+"""Measurement aid: a file rank 0 appends each judged step's log-norms to (JSON lines), the
+input of scripts/history_replay.py."""
 
 
 @dataclass
@@ -86,14 +101,15 @@ class _Stats:
                 getattr(out, name)[new_rows] = getattr(self, name)[old_rows].to(device)
         return out
 
-    def judge(self, norms: Any, valid: Any, cfg: Any, drift: bool = True) -> _Judged:
+    def judge(self, values: Any, valid: Any, cfg: Any, drift: bool = True, min_ratio: Optional[float] = None) -> _Judged:
         xp = self.xp
-        logn = xp.log(xp.clip(norms, 1e-30, None))
-        valid = valid & xp.isfinite(norms) & (norms > 0)
+        logn = xp.log(xp.clip(values, 1e-30, None))
+        valid = valid & xp.isfinite(values) & (values > 0)
         warmed = self.count >= cfg.warmup_steps
         dev = logn - self.mean
         z = dev / xp.clip(xp.sqrt(self.var), _MIN_SD, None)
-        zflag = valid & warmed & (z > cfg.zscore) & (dev > math.log(cfg.min_ratio))
+        floor = math.log(cfg.min_ratio if min_ratio is None else min_ratio)
+        zflag = valid & warmed & (z > cfg.zscore) & (dev > floor)
         grow = valid & (self.count > 0) & (logn - self.last > math.log(cfg.drift_ratio))
         run = xp.where(grow, self.run + 1, xp.zeros_like(self.run))
         dflag = valid & warmed & (run >= cfg.drift_steps) & drift
@@ -145,7 +161,7 @@ class HistoryDetector(Detector):
         # Parameters are judged by z-score only: per-tensor norms (biases, norms) are too noisy
         # for a per-step growth rule; a growth that matters shows in its layer's norm.
         mask = self._sample_mask(len(ctx.entries), ctx.device)
-        judged = self._judged["params"] = stats.judge(ctx.norms, mask, self.cfg, drift=False)
+        judged = self._judged["params"] = stats.judge(shares(ctx.norms), mask, self.cfg, drift=False)
         out[_Z] = judged.zflag.sum()
 
     def verdict(self, ctx: CheckContext, reduced: list) -> list:
@@ -155,9 +171,11 @@ class HistoryDetector(Detector):
         layers = ctx.layer_norms or []
         if self._total is None or self._layers is None or len(self._layers.mean) != len(layers):
             self._total, self._layers = _Stats(1), _Stats(len(layers))
-        for level, stats, values in (("total", self._total, [ctx.total_norm]), ("layers", self._layers, layers)):
-            norms = np.array(values, dtype=float)
-            self._judged[level] = stats.judge(norms, np.ones(len(values), dtype=bool), self.cfg)
+        for level, stats, values, floor in (("total", self._total, np.array([ctx.total_norm]), self.cfg.total_min_ratio),
+                                            ("layers", self._layers, shares(np.array(layers, dtype=float)), None)):
+            self._judged[level] = stats.judge(values, np.ones(len(values), dtype=bool), self.cfg, min_ratio=floor)
+        if os.environ.get(_TRACE) and _rank() == 0:
+            self._trace(ctx)
         kinds = []
         if self._param_flags > 0 or any(bool(j.zflag.any()) for k, j in self._judged.items() if k != "params"):
             kinds.append("zscore")
@@ -199,13 +217,17 @@ class HistoryDetector(Detector):
         return {best: reasons} if best is not None else {}
 
     def _largest_contributor(self, ctx: CheckContext, norm_list: list, slots: Optional[set]) -> Optional[int]:
-        """The parameter whose squared norm rose most above its own baseline."""
+        """The parameter whose squared norm rose most above its own baseline (its baseline share
+        of the rest of this rank's gradient, at this step's rest)."""
         baseline = self._params.mean.exp().tolist() if self._params is not None and self.cfg.per_param else None
+        finite = [n if math.isfinite(n) else 0.0 for n in norm_list]
+        whole = sum(n * n for n in finite)
         best, best_rise = None, 0.0
         for i, (entry, norm) in enumerate(zip(ctx.entries, norm_list)):
             if slots is not None and entry.slot not in slots or not math.isfinite(norm):
                 continue
-            base = baseline[i] if baseline is not None and baseline[i] > 1e-30 else 0.0
+            rest = max(whole - norm * norm, 0.0)
+            base = baseline[i] * math.sqrt(rest) if baseline is not None and baseline[i] > 1e-30 else 0.0
             rise = norm * norm - base * base
             if rise > best_rise:
                 best, best_rise = i, rise
@@ -234,13 +256,14 @@ class HistoryDetector(Detector):
             return {}
         cfg = self.cfg
         return {"history": {"tripped": tripped, "zscore": cfg.zscore, "min_ratio": cfg.min_ratio,
+                            "total_min_ratio": cfg.total_min_ratio,
                             "drift_ratio": cfg.drift_ratio, "drift_steps": cfg.drift_steps,
                             "baseline_steps": int(self._total.count[0]) if self._total is not None else 0}}
 
     # --- state -----------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        state: dict[str, Any] = {"version": 1, "checks": self._checks}
+        state: dict[str, Any] = {"version": _STATE_VERSION, "checks": self._checks}
         if self._params is not None and self._keys is not None:
             state["params"] = {"names": [k[0] for k in self._keys], "shapes": [list(k[1]) for k in self._keys],
                                **self._params.to_lists()}
@@ -256,6 +279,10 @@ class HistoryDetector(Detector):
         if not state:
             return
         self._checks = int(state.get("checks", 0))
+        if state.get("version", 1) != _STATE_VERSION:
+            log.warning("history: the saved baseline is of an older kind (raw norms, not shares); warming up again")
+            self._total = self._layers = self._params = self._keys = self._layout = self._loaded = None
+            return
         for level in ("total", "layers"):
             lists = state.get(level)
             setattr(self, f"_{level}", _Stats.from_lists(lists) if lists else None)
@@ -264,6 +291,17 @@ class HistoryDetector(Detector):
         self._params, self._keys, self._layout = None, None, None
 
     # --- helpers ---------------------------------------------------------------------
+
+    def _trace(self, ctx: CheckContext) -> None:
+        line: dict[str, Any] = {"step": ctx.step, **{level: self._judged[level].logn.tolist()
+                                                     for level in ("total", "layers")}}
+        params = self._judged.get("params")
+        if params is not None:
+            line["params"] = params.logn.tolist()
+            if not os.path.exists(os.environ[_TRACE]):
+                line["names"] = [k[0] for k in self._keys or ()]
+        with open(os.environ[_TRACE], "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(line) + "\n")
 
     def _param_stats(self, ctx: CheckContext) -> _Stats:
         layout = tuple(map(id, ctx.entries))
@@ -292,6 +330,27 @@ class HistoryDetector(Detector):
             return torch.ones(size, dtype=torch.bool, device=device)
         turn = ((self._checks - 1) // self.cfg.interval) % period
         return torch.arange(size, device=device) % period == turn
+
+
+def shares(norms: Any) -> Any:
+    """Each norm over the norm of all the others in the same vector (torch or numpy): the
+    common mode removed. In float64, with the rest floored at 1e-16 of the value's own square,
+    so a series holding almost all of the sum reads as a share of 1e8, not of 0/0. Non-finite
+    norms count in no one's rest; a zero norm gives a zero share (judged invalid)."""
+    if isinstance(norms, torch.Tensor):
+        wide = norms.double()
+        squares = torch.where(torch.isfinite(wide), wide * wide, torch.zeros_like(wide))
+        rest = torch.maximum(squares.sum() - squares, 1e-16 * squares)
+        return torch.where(rest > 0, wide / rest.sqrt(), torch.zeros_like(wide)).float()
+    wide = np.asarray(norms, dtype=np.float64)
+    squares = np.where(np.isfinite(wide), wide * wide, 0.0)
+    rest = np.maximum(squares.sum() - squares, 1e-16 * squares)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(rest > 0, wide / np.sqrt(rest), 0.0)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _layer_name(index: int, count: int) -> str:
