@@ -29,7 +29,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from . import CheckContext, Detector
+from .. import locate
+from . import CheckContext, Detector, Rotation
 
 _CLIP = 2.0
 """Once warm, an accepted sample moves the statistics as if it were at most this many
@@ -119,6 +120,7 @@ class HistoryDetector(Detector):
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
+        self._rotation = Rotation(cfg.interval, cfg.sample_fraction)
         self._checks = 0
         self._active = False
         self._keys: Optional[tuple] = None
@@ -137,7 +139,7 @@ class HistoryDetector(Detector):
 
     def local(self, ctx: CheckContext, out: torch.Tensor) -> None:
         self._checks += 1
-        self._active = (self._checks - 1) % self.cfg.interval == 0
+        self._active = self._rotation.due(self._checks)
         self._judged = {}
         if not self._active or not self.cfg.per_param or ctx.norms is None:
             return
@@ -224,7 +226,7 @@ class HistoryDetector(Detector):
             for i, (z, zf, df, run, logn, mean) in enumerate(rows):
                 if zf or df:
                     tripped.append({
-                        "level": "total" if level == "total" else _layer_name(i, len(j.z)),
+                        "level": "total" if level == "total" else locate.slot_name(i, len(j.z), layer_prefix="layer "),
                         "kinds": (["zscore"] if zf else []) + (["drift"] if df else []),
                         "z": round(z, 2), "ratio_to_baseline": round(math.exp(logn - mean), 3),
                         "growth_steps": int(run)})
@@ -287,16 +289,8 @@ class HistoryDetector(Detector):
 
     def _sample_mask(self, size: int, device: torch.device) -> torch.Tensor:
         """Every parameter when ``sample_fraction`` is 1, else a rotating 1/m of them."""
-        period = max(1, round(1.0 / self.cfg.sample_fraction))
+        period = self._rotation.period
         if period == 1:
             return torch.ones(size, dtype=torch.bool, device=device)
-        turn = ((self._checks - 1) // self.cfg.interval) % period
-        return torch.arange(size, device=device) % period == turn
+        return torch.arange(size, device=device) % period == self._rotation.turn(self._checks)
 
-
-def _layer_name(index: int, count: int) -> str:
-    if index == count - 2:
-        return "embedding"
-    if index == count - 1:
-        return "output"
-    return f"layer {index}"
