@@ -135,7 +135,7 @@ def format_table(incidents: list[dict]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
-def formattext_of(report: Report) -> str:
+def format_text(report: Report) -> str:
     if not report.incidents:
         return f"no incidents in {report.directory}"
     blocks = [format_table(report.incidents), ""]
