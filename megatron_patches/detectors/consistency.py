@@ -100,7 +100,6 @@ class ConsistencyDetector(Detector):
         self._last_good: dict[int, torch.Tensor] = {}
         self._found: Optional[dict] = None
         self._to_exchange = False  # a group disagreed this check: suspects() exchanges fingerprints
-        self._groups: dict[int, dict[int, tuple]] = {}
         self._mine: dict[int, list[str]] = {}
         self._who: dict[int, dict] = {}
         self._warned = False
@@ -127,7 +126,7 @@ class ConsistencyDetector(Detector):
     def local(self, ctx: CheckContext, out: torch.Tensor) -> None:
         self._checks += 1
         self._active = self._rotation.due(self._checks) and collectives.world_size() > 1
-        self._found, self._mine, self._groups, self._fp = None, {}, {}, None
+        self._found, self._mine, self._fp = None, {}, None
         self._to_exchange = False
         if not self._active:
             return
@@ -244,7 +243,6 @@ class ConsistencyDetector(Detector):
         for group_key, members in groups.items():
             if len(set(map(_comparable, members.values()))) > 1:
                 found[group_key] = self._deviants(members, refs.get(group_key))
-        self._groups = groups
         if found:
             self._found = found
             self._localize(ctx, found)
