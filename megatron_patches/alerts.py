@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from .config import AlertsConfig, WebhookConfig
 from .incidents import JsonlWriter, _jsonable
-from .report import diagnosis, headline
+from .incident_text import diagnosis, one_line
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class AlertDispatcher:
         try:
             severity = str(record.get("severity", "error"))
             level = logging.WARNING if severity == "warning" else logging.ERROR
-            log.log(level, "incident %s", _one_line(record))
+            log.log(level, "incident %s", one_line(record))
             if not self.sinks or _RANK.get(severity, 1) < _RANK[self.config.min_severity]:
                 return
             payload = json.dumps(record, allow_nan=False, default=_jsonable).encode("utf-8")
@@ -290,14 +290,4 @@ class AlertDispatcher:
         log.warning("alert for step %s not delivered to %s after %d attempt(s): %s",
                     record.get("step"), sink.name, attempts, last)
         return False
-
-
-def _one_line(record: dict) -> str:
-    first = record.get("first") if isinstance(record.get("first"), dict) else None
-    where = ""
-    if first:
-        ranks = first.get("ranks") if isinstance(first.get("ranks"), dict) else {}
-        if str(first.get("name")) not in str(record.get("message")):
-            where = f" (first: {first.get('name')} on rank {ranks.get('global', '?')})"
-    return f"{headline(record)}{where}; action {record.get('action')}"
 

@@ -12,15 +12,17 @@ Retention never deletes the newest healthy checkpoint.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
-import random
 import shutil
 from typing import Any, Optional
 
 import torch
+
+from .collectives import collective_device, rank, world_size
+from .files import write_json_atomic
+from .rng import rng_state, set_rng_state  # trainer and monitor import these from here too
 
 log = logging.getLogger("megatron_patches")
 
@@ -31,48 +33,6 @@ _PREFIX = "iter_"
 def _barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def _world() -> int:
-    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-
-
-def rng_state() -> dict:
-    """Every RNG a training step draws from, on this rank."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    state = {
-        "python": random.getstate(),
-        "torch": torch.get_rng_state(),
-        "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
-    }
-    try:
-        import numpy
-
-        state["numpy"] = numpy.random.get_state()
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-    if "numpy" in state:
-        import numpy
-
-        numpy.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _inner(model: Any) -> Any:
@@ -102,7 +62,7 @@ def _sharded_state(model: Any, optimizer: Any, is_loading: bool) -> dict:
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, **_optimizer_metadata(optimizer)),
         "rng": ShardedObject("megatron_patches.rng", None if is_loading else rng_state(),
-                             (_world(),), (_rank(),), replica_id=0),
+                             (world_size(),), (rank(),), replica_id=0),
     }
 
 
@@ -120,7 +80,7 @@ def save_checkpoint(root: str, step: int, model: Any, optimizer: Any, scheduler:
 
     final = checkpoint_dir(root, step)
     tmp = os.path.join(root, f".tmp_{_PREFIX}{step:07d}")
-    if _rank() == 0:
+    if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
@@ -128,7 +88,7 @@ def save_checkpoint(root: str, step: int, model: Any, optimizer: Any, scheduler:
     state["common"] = {"step": step, "scheduler": scheduler.state_dict(), **extra}
     dist_checkpointing.save(state, tmp)
     _barrier()
-    if _rank() == 0:
+    if rank() == 0:
         try:
             write_marker(tmp, step, healthy)
         except OSError as error:  # the others wait at the barrier below: never raise here
@@ -143,51 +103,15 @@ def save_checkpoint(root: str, step: int, model: Any, optimizer: Any, scheduler:
 
 def write_marker(directory: str, step: int, healthy: bool, **extra: Any) -> None:
     """``megatron_patches.json`` in a checkpoint directory (ours or Megatron-LM's ``iter_N``),
-    written atomically."""
+    written atomically (through this module's ``write_json_atomic``, which tests replace to
+    plant a failing disk)."""
     write_json_atomic(os.path.join(directory, MARKER), {"step": step, "healthy": bool(healthy), **extra})
-
-
-def write_json_atomic(path: str, value: Any, *, indent: Optional[int] = None) -> None:
-    """Write ``value`` as JSON so that ``path`` holds either the old or the whole new file, also
-    after a power loss: a temporary file beside it, flushed to disk, renamed over it, and the
-    directory flushed so the rename itself is on disk. Raises OSError when any of that fails
-    (the temporary file is removed then)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump(value, handle, indent=indent)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_directory(directory)
-
-
-def fsync_directory(directory: str) -> None:
-    """Flush a directory's entries (a rename in it) to disk. File systems that cannot sync a
-    directory (EINVAL, ENOTSUP: some network and FUSE mounts) are passed over."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
 
 
 def params_finite(model: Any) -> bool:
     """Every parameter finite on every rank (what a healthy checkpoint needs): one fused
     max-abs pass (NaN and Inf survive it, large finite values do not overflow), one
     all-reduce, one host read. Collective: call on every rank."""
-    from .collectives import collective_device
-
     chunks = model if isinstance(model, (list, tuple)) else [model]
     params = [p for chunk in chunks for p in chunk.parameters() if p.numel() > 0]
     device = collective_device()

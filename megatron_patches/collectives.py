@@ -11,6 +11,16 @@ from typing import Any, Optional
 import torch
 
 
+def rank() -> int:
+    """This process's global rank (0 without torch.distributed)."""
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def world_size() -> int:
+    """Processes in the job (1 without torch.distributed)."""
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
 def collective_device() -> torch.device:
     """Where tensors for this job's collectives live: the accelerator under nccl/hccl, else CPU."""
     if torch.distributed.is_initialized() and torch.distributed.get_backend() != "gloo":
@@ -48,7 +58,7 @@ def _bounded_group(timeout_s: Optional[float]):
 
 
 def _single() -> bool:
-    return not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
+    return world_size() == 1
 
 
 def gather_to_zero(obj: Any, timeout_s: Optional[float] = None) -> list:
@@ -56,7 +66,7 @@ def gather_to_zero(obj: Any, timeout_s: Optional[float] = None) -> list:
     ``timeout_s``, no rank waits longer than that: :class:`PeerLost` instead."""
     if _single():
         return [obj]
-    out = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
+    out = [None] * world_size() if rank() == 0 else None
     try:
         torch.distributed.gather_object(obj, out, dst=0, group=_bounded_group(timeout_s))
     except (RuntimeError, ValueError) as error:  # gloo: "Connection closed by peer", "Timed out"
@@ -87,9 +97,9 @@ def all_gather_floats(values: list[float], device: Optional[torch.device] = None
     high = torch.tensor(values, dtype=torch.float32)
     low = (torch.tensor(values, dtype=torch.float64) - high.double()).float()
     mine = torch.stack([high, low]).to(device or collective_device())
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+    if _single():
         every = [mine]
     else:
-        every = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+        every = [torch.empty_like(mine) for _ in range(world_size())]
         torch.distributed.all_gather(every, mine)
     return [[h + l for h, l in zip(*t.double().tolist())] for t in every]

@@ -40,10 +40,6 @@ def _fraction(value: Any) -> Optional[str]:
     return None
 
 
-def _check(fn):
-    return field(metadata={"check": fn})
-
-
 @dataclass(frozen=True, kw_only=True)
 class NonFiniteConfig:
     enabled: bool = True

@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 import torch
 
+from .collectives import rank, world_size
+
 _LAYER_PATH = re.compile(r"^(?P<prefix>.*\blayers)\.(?P<idx>\d+)$")
 _LAYER_IN_NAME = re.compile(r"\blayers\.(\d+)\.")
 _STAGE_STRIDE = 1_000_000
@@ -61,7 +63,7 @@ def _parallel_state():
 
 def rank_info() -> dict[str, int]:
     """{global, tp, pp, dp, cp, ep, vpp} of this process (0 where not initialized)."""
-    ranks = {"global": torch.distributed.get_rank() if torch.distributed.is_initialized() else 0}
+    ranks = {"global": rank()}
     ps = _parallel_state()
     getters = {
         "tp": "get_tensor_model_parallel_rank",
@@ -79,7 +81,7 @@ def rank_info() -> dict[str, int]:
 
 def world_layout() -> dict[str, int]:
     """{size, tp, pp, dp, cp, ep} sizes of the job."""
-    size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    size = world_size()
     ps = _parallel_state()
     if ps is None:
         return {"size": size, "tp": 1, "pp": 1, "dp": size, "cp": 1, "ep": 1}
@@ -91,6 +93,33 @@ def world_layout() -> dict[str, int]:
         "cp": ps.get_context_parallel_world_size(),
         "ep": ps.get_expert_model_parallel_world_size(),
     }
+
+
+def slot_index(info: ParamInfo, num_layers: int) -> int:
+    """The per-layer slot a parameter's squared norm is summed into: its transformer layer,
+    else ``num_layers`` for the embedding, else ``num_layers + 1`` (output side). ``count`` in
+    :func:`slot_name` is ``num_layers + 2``."""
+    if info.layer is not None and info.layer < num_layers:
+        return info.layer
+    return num_layers if info.name.startswith("embedding") else num_layers + 1
+
+
+def slot_name(index: int, count: int, *, layer_prefix: str = "") -> str:
+    """Name of per-layer slot ``index`` of ``count``: the transformer layers by index (after
+    ``layer_prefix``), then ``embedding``, then ``output`` (the output layer and final norm).
+    The monitor's vector, grad_history.jsonl and the history detector's records use this order."""
+    if not 0 <= index < count:
+        raise IndexError(f"slot {index} is outside the {count} per-layer slots")
+    if index == count - 2:
+        return "embedding"
+    if index == count - 1:
+        return "output"
+    return f"{layer_prefix}{index}"
+
+
+def slot_names(count: int, *, layer_prefix: str = "") -> list[str]:
+    """Every per-layer slot's name, in slot order (see :func:`slot_name`)."""
+    return [slot_name(i, count, layer_prefix=layer_prefix) for i in range(count)]
 
 
 def host() -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -79,16 +79,28 @@ def build_entries(optimizer: Any, model_chunks: list) -> tuple[list[Entry], int]
                 # reports; still checked for NaN/Inf and by the detectors.
                 info = dataclasses.replace(info, counts_in_norm=False)
             replicas = instances if shard else (dense_dp if getattr(model, "allreduce", True) else expert_dp)
-            if info.layer is not None and info.layer < num_layers:
-                slot = info.layer
-            else:
-                slot = num_layers if info.name.startswith("embedding") else num_layers + 1
-            entries.append(Entry(main, model, info, shard, (1.0 / replicas) if info.counts_in_norm else 0.0, slot))
+            weight = (1.0 / replicas) if info.counts_in_norm else 0.0
+            entries.append(Entry(main, model, info, shard, weight, locate.slot_index(info, num_layers)))
     return entries, num_layers + 2
+
+
+def model_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The gradient a model parameter has gathered in backward, before the optimizer sees it:
+    its view into Megatron DDP's gradient buffer (``main_grad``) where it has one, else
+    ``.grad`` (a module outside DDP). None when backward left it none."""
+    grad = getattr(param, "main_grad", None)
+    return grad if grad is not None else param.grad
+
+
+def optimizer_grad(main: torch.Tensor, decoupled: bool) -> Optional[torch.Tensor]:
+    """The gradient the optimizer applies to ``main`` (a parameter it steps, see
+    :func:`param_pairs`): ``decoupled_grad`` under the precision-aware optimizer (``decoupled``:
+    :func:`uses_decoupled_grad` of a leaf), else ``.grad``."""
+    return getattr(main, "decoupled_grad", None) if decoupled else main.grad
 
 
 def current_grads(optimizer: Any, entries: list[Entry]):
     """(entry, the gradient the optimizer will apply now, or None) for each entry."""
     decoupled = any(uses_decoupled_grad(leaf) for leaf in leaves(optimizer))
     for e in entries:
-        yield e, (getattr(e.main, "decoupled_grad", None) if decoupled else e.main.grad)
+        yield e, optimizer_grad(e.main, decoupled)

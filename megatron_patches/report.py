@@ -3,8 +3,9 @@
 Reading is forgiving: an empty or missing file, a half-written last line (the job died
 mid-write), a line that is not JSON or one with another schema each become a *problem*
 naming file and line, and every readable record is still used. ``megatron-patches report``
-(:mod:`megatron_patches.cli`) is the command-line face of this module; the alert sinks use
-:func:`headline` and :func:`diagnosis` for their text.
+(:mod:`megatron_patches.cli`) is the command-line face of this module. The text of one
+incident comes from :mod:`megatron_patches.incident_text`, which the alert sinks use too
+(during training, without this offline reader).
 """
 
 from __future__ import annotations
@@ -14,10 +15,15 @@ import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
+from . import incident_text
 from .errors import UserError
+from .incident_text import ranks_of, text_of
 from .incidents import HISTORY_FILE, HISTORY_SCHEMA, INCIDENT_SCHEMA, INCIDENTS_FILE
+
+diagnosis = incident_text.diagnosis  # kept importable from here
+headline = incident_text.headline
 
 SEVERITY_COLORS = {"warning": "tab:orange", "error": "tab:red", "critical": "darkred"}
 
@@ -106,32 +112,19 @@ def load_report(directory: str, with_history: bool = False) -> Report:
 # --- text -------------------------------------------------------------------------------
 
 
-def _ranks(param: Optional[dict]) -> dict:
-    ranks = (param or {}).get("ranks")
-    return ranks if isinstance(ranks, dict) else {}
-
-
-def _count(value: Any) -> int:
-    return len(value) if isinstance(value, (list, dict)) else 0
-
-
-def _text(value: Any) -> str:
-    return "-" if value is None or value == "" else str(value)
-
-
 def table_rows(incidents: list[dict]) -> list[list[str]]:
     header = ["step", "severity", "kind", "first parameter", "layer", "tp/pp/dp", "rank", "host", "action", "replay"]
     rows = [header]
     for rec in incidents:
         first = rec.get("first") if isinstance(rec.get("first"), dict) else None
-        ranks = _ranks(first)
+        ranks = ranks_of(first)
         replay = rec.get("replay") if isinstance(rec.get("replay"), dict) else {}
         rows.append([
-            _text(rec.get("step")), _text(rec.get("severity")), _text(rec.get("kind")),
-            _text((first or {}).get("name")), _text((first or {}).get("layer")),
-            "/".join(_text(ranks.get(k)) for k in ("tp", "pp", "dp")) if ranks else "-",
-            _text(ranks.get("global")), _text((first or {}).get("host")),
-            _text(rec.get("action")), _text(replay.get("verdict")),
+            text_of(rec.get("step")), text_of(rec.get("severity")), text_of(rec.get("kind")),
+            text_of((first or {}).get("name")), text_of((first or {}).get("layer")),
+            "/".join(text_of(ranks.get(k)) for k in ("tp", "pp", "dp")) if ranks else "-",
+            text_of(ranks.get("global")), text_of((first or {}).get("host")),
+            text_of(rec.get("action")), text_of(replay.get("verdict")),
         ])
     return rows
 
@@ -140,124 +133,6 @@ def format_table(incidents: list[dict]) -> str:
     rows = table_rows(incidents)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
-
-
-def headline(rec: dict) -> str:
-    """One line: step, severity, kind and the message."""
-    kinds = rec.get("kinds") if isinstance(rec.get("kinds"), list) else []
-    message = rec.get("message") or ", ".join(map(str, kinds)) or "no message"
-    return f"step {_text(rec.get('step'))} {_text(rec.get('severity'))} {_text(rec.get('kind'))}: {message}"
-
-
-def _where(param: dict) -> str:
-    ranks = _ranks(param)
-    layer = param.get("layer")
-    labels = (("nan", "NaN"), ("inf", "Inf"), ("overflow", "overflowed"))
-    counts = ", ".join(f"{param[k]} {label}" for k, label in labels if param.get(k))
-    norm = param.get("norm")
-    rank = f"global rank {_text(ranks.get('global'))}"
-    if ranks:
-        rank += " (" + ", ".join(f"{k} {_text(ranks.get(k))}" for k in ("tp", "pp", "dp")) + ")"
-    parts = [
-        f"{param.get('name', '?')}" + (f" (layer {layer})" if layer is not None else " (not in a layer)"),
-        rank,
-        f"host {_text(param.get('host'))}" + (f" {param['device']}" if param.get("device") else ""),
-    ]
-    if counts:
-        parts.append(counts)
-    elif isinstance(norm, (int, float)):
-        parts.append(f"grad norm {norm:.4g}")
-    return ", ".join(parts)
-
-
-def _entry(rec: dict) -> Optional[dict]:
-    """Where the fault entered: ``first``, unless the origin rank's own finding from before the
-    data-parallel reduction is known and ``first`` is elsewhere (records written before the
-    origin led)."""
-    first = rec.get("first") if isinstance(rec.get("first"), dict) else None
-    origins = rec.get("origin_ranks") if isinstance(rec.get("origin_ranks"), list) else []
-    before = [p for p in rec.get("pre_reduction") or [] if isinstance(p, dict)
-              and _ranks(p).get("global") in origins] if isinstance(rec.get("pre_reduction"), list) else []
-    if before and _ranks(first).get("global") not in origins:
-        return max(before, key=lambda p: p.get("order") if isinstance(p.get("order"), int) else -1)
-    return first
-
-
-def diagnosis(rec: dict) -> list[str]:
-    """Four lines: what broke, where it entered (the forward pass's first non-finite
-    module when a replay found it), how far it spread, what was done."""
-    lines = [headline(rec)]
-    first = _entry(rec)
-    forward = rec.get("forward_origin") if isinstance(rec.get("forward_origin"), dict) else None
-    if forward:
-        layer = forward.get("layer")
-        lines.append(f"  entered at: the forward pass, output of {_text(forward.get('module'))}"
-                     + (f" (layer {layer})" if isinstance(layer, int) else "")
-                     + f" on rank(s) {forward.get('ranks')}, found by the replay; backward carried it to the "
-                     + "gradients" + (f" (first: {_text(first.get('name'))})" if first else ""))
-    elif rec.get("all_gradients_nonfinite") is True:
-        lines.append("  entered at: the forward pass (every gradient is non-finite, so the loss or an activation "
-                     "broke first); without a replay not located further"
-                     + (f"; {_text(first.get('name'))}, named first, is not the suspect" if first else ""))
-    elif first:
-        lines.append(f"  entered at: {_where(first)}")
-    else:
-        lines.append("  entered at: not localized to a parameter (a model-wide check tripped)")
-    world = rec.get("world") if isinstance(rec.get("world"), dict) else {}
-    size = world.get("size")
-    spread = (f"{_count(rec.get('ranks_affected'))} of {_text(size)} ranks, "
-              f"{_count(rec.get('params'))} parameter(s)")
-    origins = rec.get("origin_ranks") if isinstance(rec.get("origin_ranks"), list) else []
-    if origins:
-        replicas = (world["dp"] * world.get("cp", 1) if isinstance(world.get("dp"), int)
-                    and isinstance(world.get("cp", 1), int) else None)
-        reached = rec.get("replicas_reached")
-        reached = reached if isinstance(reached, int) else _text(replicas)  # older records: the reduction reaches all
-        spread = (f"from rank(s) {origins} before the data-parallel reduction to {reached} of "
-                  f"{_text(replicas)} data-parallel replica(s); found after it on {spread}")
-    lines.append(f"  spread: {spread}")
-    done = [f"action {_text(rec.get('action'))}"]
-    replay = rec.get("replay") if isinstance(rec.get("replay"), dict) else None
-    if replay and replay.get("verdict"):
-        meaning = {"deterministic": "the same batch reproduced it: suspect data or code",
-                   "transient": "the replay was clean: suspect hardware or a race"}.get(str(replay["verdict"]), "")
-        done.append(f"replay {replay['verdict']}" + (f" ({meaning})" if meaning else ""))
-    if isinstance(rec.get("rolled_back_to"), int):
-        done.append(f"rolled back to the healthy checkpoint of step {rec['rolled_back_to']}"
-                    + (f", learning rate x{rec['lr_scale']:g}" if isinstance(rec.get("lr_scale"), (int, float)) else ""))
-    if isinstance(rec.get("blacklisted"), list) and rec["blacklisted"]:
-        done.append(f"{len(rec['blacklisted'])} sample(s) blacklisted")
-    if isinstance(rec.get("origin_ranks"), list) and rec["origin_ranks"]:
-        done.append(f"entered before the data-parallel reduction on rank(s) {rec['origin_ranks']}")
-    if rec.get("reason"):
-        done.append(f"graded {_text(rec.get('severity'))}: {rec['reason']}")
-    samples = rec["batch"].get("samples") if isinstance(rec.get("batch"), dict) else None
-    if isinstance(samples, list) and samples:
-        shown = ", ".join(map(str, samples[:4])) + (", ..." if len(samples) > 4 else "")
-        done.append(f"batch of {len(samples)} sample(s) [{shown}]")
-    if rec.get("scene"):
-        done.append(f"scene {rec['scene']}")
-    if rec.get("injected"):
-        done.append("injected by a drill: " + _drills(rec["injected"]))
-    lines.append("  done: " + "; ".join(done))
-    return lines
-
-
-def _drills(injected: Any) -> str:
-    """What fired: ``nan:step=3,... -> decoder.layers.1.mlp.linear_fc1.weight on rank 1``."""
-    if not isinstance(injected, list):
-        return _text(injected)
-    said = []
-    for entry in injected:
-        if isinstance(entry, dict):
-            target = (f"sample {entry['sample']}" if "sample" in entry else
-                      f"output of {entry['module']}" if "module" in entry else _text(entry.get("param")))
-            text = f"{_text(entry.get('drill'))} -> {target} on rank {_text(entry.get('rank'))}"
-        else:  # records written before 'injected' said what fired: the spec text
-            text = _text(entry)
-        if text not in said:
-            said.append(text)
-    return "; ".join(said)
 
 
 def format_text(report: Report) -> str:

@@ -4,6 +4,12 @@ The monitor always runs the NaN/Inf, saturation and magnitude checks. A :class:`
 adds its own numbers to the same all-reduced vector (``width`` floats, summed over the whole
 job), decides from the reduced values, which are identical on every rank, and names
 suspects on the slow path. Detectors keep bounded state that checkpoints carry.
+
+Where collectives go: ``local`` may run device collectives of its own that every rank joins
+on every check (the consistency check's MAX over each data-parallel group); ``verdict`` reads
+the reduced values only; ``suspects`` is the slow path that every rank of a flagged step
+runs, so exchanges that name suspects (gathering objects) belong there. ``extra`` runs on
+rank 0 alone and must not communicate.
 """
 
 from __future__ import annotations
@@ -31,6 +37,33 @@ class CheckContext:
     """World-wide per-layer norms (layers..., embedding, output); set with total_norm."""
 
 
+@dataclass(frozen=True)
+class Rotation:
+    """Which checks a detector judges (every ``interval``-th) and which share of the tensors it
+    covers on each: with ``fraction`` 1/m, tensor ``i`` on the judged checks whose turn is
+    ``i % m``, so every tensor once in m judged checks. Checks count from 1."""
+
+    interval: int = 1
+    fraction: float = 1.0
+
+    @property
+    def period(self) -> int:
+        """m: judged checks that it takes to cover every tensor once (1: all on each)."""
+        return max(1, round(1.0 / self.fraction))
+
+    def due(self, check: int) -> bool:
+        """Whether the ``check``-th check is judged."""
+        return (check - 1) % self.interval == 0
+
+    def turn(self, check: int) -> int:
+        """Which share the ``check``-th check covers, in ``range(period)``."""
+        return ((check - 1) // self.interval) % self.period
+
+    def covers(self, index: int, check: int) -> bool:
+        """Whether tensor ``index`` is in the share of the ``check``-th check."""
+        return index % self.period == self.turn(check)
+
+
 class Detector:
     """Base class: override what you need. Every method runs on every rank."""
 
@@ -44,11 +77,14 @@ class Detector:
         """Fill ``out`` (``width`` floats, zeros on entry) with device ops only: no host reads."""
 
     def verdict(self, ctx: CheckContext, reduced: list) -> list:
-        """Kinds flagged this step (e.g. ``["zscore"]``) from the world-wide sums in ``reduced``."""
+        """Kinds flagged this step (e.g. ``["zscore"]``) from the world-wide sums in ``reduced``
+        alone: no collective, so every rank decides alike without talking."""
         return []
 
     def suspects(self, ctx: CheckContext, norm_list: list) -> dict:
-        """Slow path: ``{index into ctx.entries: [reasons]}`` for this rank's parameters."""
+        """Slow path: ``{index into ctx.entries: [reasons]}`` for this rank's parameters. Runs
+        on every rank of a flagged step (in an incident and in its replay), so this is where a
+        detector may run the collectives that name its suspects."""
         return {}
 
     def extra(self, ctx: CheckContext, reduced: list) -> dict:

@@ -20,11 +20,12 @@ adds its group's spread to one float of the monitor's SUM vector: a sum of non-n
 numbers, 0 exactly when every group agrees. So the monitor's vector carries one float for
 this check whatever the size of the job (8 floats go over each data-parallel group).
 
-Only when that float is not 0, on the slow path, the world exchanges fingerprints, every rank
-finds the ranks that differ from their group's majority; with two replicas (no majority) the
-replica whose squared norm is farther from the group's last accepted value is suspected, and
-the record says so (``decided_by``). The ranks of each group then exchange per-tensor
-fingerprints to name the parameters that differ, and the world exchanges host names.
+Only when that float is not 0, on the slow path (``suspects``), the world exchanges
+fingerprints, every rank finds the ranks that differ from their group's majority; with two
+replicas (no majority) the replica whose squared norm is farther from the group's last
+accepted value is suspected, and the record says so (``decided_by``). The ranks of each group
+then exchange per-tensor fingerprints to name the parameters that differ, and the world
+exchanges host names.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from typing import Any, Optional
 
 import torch
 
-from . import CheckContext, Detector
+from .. import collectives
+from . import CheckContext, Detector, Rotation
 
 log = logging.getLogger("megatron_patches")
 
@@ -84,6 +86,7 @@ class ConsistencyDetector(Detector):
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
+        self._rotation = Rotation(cfg.interval, cfg.sample_fraction)
         self._checks = 0
         self._active = False
         self._group: Optional[tuple] = None  # (key, ranks, process group)
@@ -96,7 +99,7 @@ class ConsistencyDetector(Detector):
         # params sampled, checks of different shares are not comparable): kept on the device.
         self._last_good: dict[int, torch.Tensor] = {}
         self._found: Optional[dict] = None
-        self._groups: dict[int, dict[int, tuple]] = {}
+        self._to_exchange = False  # a group disagreed this check: suspects() exchanges fingerprints
         self._mine: dict[int, list[str]] = {}
         self._who: dict[int, dict] = {}
         self._warned = False
@@ -111,7 +114,7 @@ class ConsistencyDetector(Detector):
             ps = _parallel_state()
             group = ps.get_data_parallel_group(with_context_parallel=True) if ps is not None else None
             ranks = (torch.distributed.get_process_group_ranks(group) if group is not None
-                     else list(range(torch.distributed.get_world_size())))
+                     else list(range(collectives.world_size())))
             self._group = (min(ranks), sorted(ranks), group)
         return self._group
 
@@ -122,9 +125,9 @@ class ConsistencyDetector(Detector):
 
     def local(self, ctx: CheckContext, out: torch.Tensor) -> None:
         self._checks += 1
-        self._active = ((self._checks - 1) % self.cfg.interval == 0 and torch.distributed.is_initialized()
-                        and torch.distributed.get_world_size() > 1)
-        self._found, self._mine, self._groups, self._fp = None, {}, {}, None
+        self._active = self._rotation.due(self._checks) and collectives.world_size() > 1
+        self._found, self._mine, self._fp = None, {}, None
+        self._to_exchange = False
         if not self._active:
             return
         key, ranks, group = self._dp_group()
@@ -138,6 +141,9 @@ class ConsistencyDetector(Detector):
             if self._mode == "params":  # the norms were not read: take them over the share only
                 norms = torch.stack(torch._foreach_norm(tensors))
         square = norms.float().square().sum() if tensors else torch.zeros((), device=ctx.device)
+        # One bit pattern for NaN: the spread is then 0 exactly when the fingerprints compare
+        # equal (_comparable), so the verdict can rest on the reduced vector alone.
+        square = torch.where(torch.isnan(square), torch.full_like(square, math.nan), square)
         if not tensors:
             total = torch.zeros((), dtype=torch.int64, device=ctx.device)
         else:
@@ -195,18 +201,15 @@ class ConsistencyDetector(Detector):
     def _share(self) -> int:
         """Which rotating share of the tensors this check's sum of squares covers (0: all of
         them, or with grads, whose norms always cover all)."""
-        period = max(1, round(1.0 / self.cfg.sample_fraction))
-        if period == 1 or self._mode == "grads":
+        if self._rotation.period == 1 or self._mode == "grads":
             return 0
-        return ((self._checks - 1) // self.cfg.interval) % period
+        return self._rotation.turn(self._checks)
 
     def _sample(self, size: int) -> Optional[list[int]]:
         """Tensors whose bits are checksummed this time: all (None), or a rotating 1/m of them."""
-        period = max(1, round(1.0 / self.cfg.sample_fraction))
-        if period == 1:
+        if self._rotation.period == 1:
             return None
-        turn = ((self._checks - 1) // self.cfg.interval) % period
-        return [i for i in range(size) if i % period == turn] or [0]
+        return [i for i in range(size) if self._rotation.covers(i, self._checks)] or [0]
 
     def _odd_weights(self, size: int, device: torch.device) -> torch.Tensor:
         if (size, device) not in self._weights:
@@ -216,14 +219,19 @@ class ConsistencyDetector(Detector):
     # --- host ------------------------------------------------------------------------
 
     def verdict(self, ctx: CheckContext, reduced: list) -> list:
-        if not self._active or not reduced[0] > 0:
-            return []
-        # Slow path: some group disagrees. Every rank learns every rank's fingerprint.
+        """A group disagrees somewhere: the summed spread is above 0 (identical on every rank).
+        Which ranks and tensors differ is found in :meth:`suspects`."""
+        self._to_exchange = self._active and reduced[0] > 0
+        return ["rank_mismatch"] if self._to_exchange else []
+
+    def _exchange(self, ctx: CheckContext) -> None:
+        """Slow path, on every rank: every rank learns every rank's fingerprint, then each
+        disagreeing group's suspects and the tensors that differ."""
+        self._to_exchange = False
         key, _, _ = self._dp_group()
-        me = torch.distributed.get_rank()
-        mine = {"rank": me, "key": key, "fp": tuple(self._fp.tolist()),
+        mine = {"rank": collectives.rank(), "key": key, "fp": tuple(self._fp.tolist()),
                 "last_good": _finite_or_none(self._last_good.get(self._share()))}
-        world = [None] * torch.distributed.get_world_size()
+        world = [None] * collectives.world_size()
         torch.distributed.all_gather_object(world, mine)
         groups: dict[int, dict[int, tuple]] = {}
         refs: dict[int, Optional[float]] = {}
@@ -235,12 +243,9 @@ class ConsistencyDetector(Detector):
         for group_key, members in groups.items():
             if len(set(map(_comparable, members.values()))) > 1:
                 found[group_key] = self._deviants(members, refs.get(group_key))
-        self._groups = groups
-        if not found:
-            return []
-        self._found = found
-        self._localize(ctx, found)
-        return ["rank_mismatch"]
+        if found:
+            self._found = found
+            self._localize(ctx, found)
 
     def _deviants(self, members: dict, ref: Optional[float]) -> dict:
         """Which ranks of one group differ, and how that was decided."""
@@ -271,7 +276,7 @@ class ConsistencyDetector(Detector):
         mine = {n: (s, _comparable((q,))) for n, s, q in zip(names, sums, norms)}
         everyone = [None] * len(ranks)
         torch.distributed.all_gather_object(everyone, mine, group=group)
-        me = torch.distributed.get_rank()
+        me = collectives.rank()
         differing: list[str] = []
         suspected = found.get(key, {}).get("suspected", [])
         if me in suspected:
@@ -285,7 +290,7 @@ class ConsistencyDetector(Detector):
         self._mine = {by_name[n]: ["rank_mismatch"] for n in differing if n in by_name}
         who = {"rank": me, **{k: v for k, v in locate.rank_info().items() if k != "global"},
                "host": locate.host(), "device": locate.device_name(), "params": differing}
-        world = [None] * torch.distributed.get_world_size()
+        world = [None] * collectives.world_size()
         torch.distributed.all_gather_object(world, who)
         self._who = {w["rank"]: w for w in world}
 
@@ -302,6 +307,8 @@ class ConsistencyDetector(Detector):
         return [n for n, _ in pairs], [t for _, t in pairs]
 
     def suspects(self, ctx: CheckContext, norm_list: list) -> dict:
+        if self._to_exchange:
+            self._exchange(ctx)
         return dict(self._mine)
 
     def extra(self, ctx: CheckContext, reduced: list) -> dict:
@@ -325,7 +332,7 @@ class ConsistencyDetector(Detector):
             return
         current = self._fp[0].detach()
         if self._found is not None:  # slow path: a suspected replica keeps the old reference
-            if torch.distributed.get_rank() in {r for g in self._found.values() for r in g["suspected"]}:
+            if collectives.rank() in {r for g in self._found.values() for r in g["suspected"]}:
                 return
         share = self._share()
         previous = self._last_good[share].to(current.device) if share in self._last_good else current

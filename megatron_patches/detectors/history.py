@@ -36,7 +36,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from . import CheckContext, Detector
+from .. import collectives, locate
+from . import CheckContext, Detector, Rotation
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class HistoryDetector(Detector):
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
+        self._rotation = Rotation(cfg.interval, cfg.sample_fraction)
         self._checks = 0
         self._active = False
         self._keys: Optional[tuple] = None
@@ -153,7 +155,7 @@ class HistoryDetector(Detector):
 
     def local(self, ctx: CheckContext, out: torch.Tensor) -> None:
         self._checks += 1
-        self._active = (self._checks - 1) % self.cfg.interval == 0
+        self._active = self._rotation.due(self._checks)
         self._judged = {}
         if not self._active or not self.cfg.per_param or ctx.norms is None:
             return
@@ -174,7 +176,7 @@ class HistoryDetector(Detector):
         for level, stats, values, floor in (("total", self._total, np.array([ctx.total_norm]), self.cfg.total_min_ratio),
                                             ("layers", self._layers, shares(np.array(layers, dtype=float)), None)):
             self._judged[level] = stats.judge(values, np.ones(len(values), dtype=bool), self.cfg, min_ratio=floor)
-        if os.environ.get(_TRACE) and _rank() == 0:
+        if os.environ.get(_TRACE) and collectives.rank() == 0:
             self._trace(ctx)
         kinds = []
         if self._param_flags > 0 or any(bool(j.zflag.any()) for k, j in self._judged.items() if k != "params"):
@@ -246,7 +248,7 @@ class HistoryDetector(Detector):
             for i, (z, zf, df, run, logn, mean) in enumerate(rows):
                 if zf or df:
                     tripped.append({
-                        "level": "total" if level == "total" else _layer_name(i, len(j.z)),
+                        "level": "total" if level == "total" else locate.slot_name(i, len(j.z), layer_prefix="layer "),
                         "kinds": (["zscore"] if zf else []) + (["drift"] if df else []),
                         "z": round(z, 2), "ratio_to_baseline": round(math.exp(logn - mean), 3),
                         "growth_steps": int(run)})
@@ -325,11 +327,10 @@ class HistoryDetector(Detector):
 
     def _sample_mask(self, size: int, device: torch.device) -> torch.Tensor:
         """Every parameter when ``sample_fraction`` is 1, else a rotating 1/m of them."""
-        period = max(1, round(1.0 / self.cfg.sample_fraction))
+        period = self._rotation.period
         if period == 1:
             return torch.ones(size, dtype=torch.bool, device=device)
-        turn = ((self._checks - 1) // self.cfg.interval) % period
-        return torch.arange(size, device=device) % period == turn
+        return torch.arange(size, device=device) % period == self._rotation.turn(self._checks)
 
 
 def shares(norms: Any) -> Any:
@@ -347,15 +348,3 @@ def shares(norms: Any) -> Any:
     rest = np.maximum(squares.sum() - squares, 1e-16 * squares)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(rest > 0, wide / np.sqrt(rest), 0.0)
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def _layer_name(index: int, count: int) -> str:
-    if index == count - 2:
-        return "embedding"
-    if index == count - 1:
-        return "output"
-    return f"layer {index}"

@@ -46,7 +46,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from . import CheckContext, Detector
+from .. import collectives
+from . import CheckContext, Detector, Rotation
 
 log = logging.getLogger("megatron_patches")
 
@@ -79,6 +80,7 @@ class PeersDetector(Detector):
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
+        self._rotation = Rotation(cfg.interval)
         self._checks = 0
         self._active = False
         self._layout: Optional[tuple] = None
@@ -104,7 +106,7 @@ class PeersDetector(Detector):
 
     def local(self, ctx: CheckContext, out: torch.Tensor) -> None:
         self._checks += 1
-        self._active = (self._checks - 1) % self.cfg.interval == 0
+        self._active = self._rotation.due(self._checks)
         self._flags, self._tripped, self._last = set(), [], None
         if not self._active or ctx.norms is None:
             return
@@ -153,7 +155,7 @@ class PeersDetector(Detector):
                             "share": round(float(shares[slot]), 2)})
         self._tripped = tripped
         self._last = (_nanmax(ratios), _nanmax(shares))
-        if os.environ.get(_TRACE) and _rank() == 0:
+        if os.environ.get(_TRACE) and collectives.rank() == 0:
             self._trace(ctx.step, ratios, shares)
         return ["peers"] if tripped else []
 
@@ -266,7 +268,3 @@ def _nanmax(values: Optional[np.ndarray]) -> float:
     if values is None or not np.isfinite(values).any():
         return 0.0
     return float(np.nanmax(values))
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

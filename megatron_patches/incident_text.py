@@ -1,0 +1,155 @@
+"""The text of one incident record, for a person: a headline, a one-line log form and the
+four-line diagnosis. Used during training (the log line and chat alerts in
+:mod:`megatron_patches.alerts`) and offline (``megatron-patches report``), so it imports
+neither. Every field is read defensively: records from older versions, or damaged ones,
+still give text.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+def ranks_of(param: Optional[dict]) -> dict:
+    """The ``ranks`` mapping of a parameter finding, or {} when it has none."""
+    ranks = (param or {}).get("ranks")
+    return ranks if isinstance(ranks, dict) else {}
+
+
+def _count(value: Any) -> int:
+    return len(value) if isinstance(value, (list, dict)) else 0
+
+
+def text_of(value: Any) -> str:
+    """A field as a person reads it: ``-`` for a missing or empty value."""
+    return "-" if value is None or value == "" else str(value)
+
+
+def headline(rec: dict) -> str:
+    """One line: step, severity, kind and the message."""
+    kinds = rec.get("kinds") if isinstance(rec.get("kinds"), list) else []
+    message = rec.get("message") or ", ".join(map(str, kinds)) or "no message"
+    return f"step {text_of(rec.get('step'))} {text_of(rec.get('severity'))} {text_of(rec.get('kind'))}: {message}"
+
+
+def _where(param: dict) -> str:
+    ranks = ranks_of(param)
+    layer = param.get("layer")
+    labels = (("nan", "NaN"), ("inf", "Inf"), ("overflow", "overflowed"))
+    counts = ", ".join(f"{param[k]} {label}" for k, label in labels if param.get(k))
+    norm = param.get("norm")
+    rank = f"global rank {text_of(ranks.get('global'))}"
+    if ranks:
+        rank += " (" + ", ".join(f"{k} {text_of(ranks.get(k))}" for k in ("tp", "pp", "dp")) + ")"
+    parts = [
+        f"{param.get('name', '?')}" + (f" (layer {layer})" if layer is not None else " (not in a layer)"),
+        rank,
+        f"host {text_of(param.get('host'))}" + (f" {param['device']}" if param.get("device") else ""),
+    ]
+    if counts:
+        parts.append(counts)
+    elif isinstance(norm, (int, float)):
+        parts.append(f"grad norm {norm:.4g}")
+    return ", ".join(parts)
+
+
+def _entry(rec: dict) -> Optional[dict]:
+    """Where the fault entered: ``first``, unless the origin rank's own finding from before the
+    data-parallel reduction is known and ``first`` is elsewhere (records written before the
+    origin led)."""
+    first = rec.get("first") if isinstance(rec.get("first"), dict) else None
+    origins = rec.get("origin_ranks") if isinstance(rec.get("origin_ranks"), list) else []
+    before = [p for p in rec.get("pre_reduction") or [] if isinstance(p, dict)
+              and ranks_of(p).get("global") in origins] if isinstance(rec.get("pre_reduction"), list) else []
+    if before and ranks_of(first).get("global") not in origins:
+        return max(before, key=lambda p: p.get("order") if isinstance(p.get("order"), int) else -1)
+    return first
+
+
+def diagnosis(rec: dict) -> list[str]:
+    """Four lines: what broke, where it entered (the forward pass's first non-finite
+    module when a replay found it), how far it spread, what was done."""
+    lines = [headline(rec)]
+    first = _entry(rec)
+    forward = rec.get("forward_origin") if isinstance(rec.get("forward_origin"), dict) else None
+    if forward:
+        layer = forward.get("layer")
+        lines.append(f"  entered at: the forward pass, output of {text_of(forward.get('module'))}"
+                     + (f" (layer {layer})" if isinstance(layer, int) else "")
+                     + f" on rank(s) {forward.get('ranks')}, found by the replay; backward carried it to the "
+                     + "gradients" + (f" (first: {text_of(first.get('name'))})" if first else ""))
+    elif rec.get("all_gradients_nonfinite") is True:
+        lines.append("  entered at: the forward pass (every gradient is non-finite, so the loss or an activation "
+                     "broke first); without a replay not located further"
+                     + (f"; {text_of(first.get('name'))}, named first, is not the suspect" if first else ""))
+    elif first:
+        lines.append(f"  entered at: {_where(first)}")
+    else:
+        lines.append("  entered at: not localized to a parameter (a model-wide check tripped)")
+    world = rec.get("world") if isinstance(rec.get("world"), dict) else {}
+    size = world.get("size")
+    spread = (f"{_count(rec.get('ranks_affected'))} of {text_of(size)} ranks, "
+              f"{_count(rec.get('params'))} parameter(s)")
+    origins = rec.get("origin_ranks") if isinstance(rec.get("origin_ranks"), list) else []
+    if origins:
+        replicas = (world["dp"] * world.get("cp", 1) if isinstance(world.get("dp"), int)
+                    and isinstance(world.get("cp", 1), int) else None)
+        reached = rec.get("replicas_reached")
+        reached = reached if isinstance(reached, int) else text_of(replicas)  # older records: the reduction reaches all
+        spread = (f"from rank(s) {origins} before the data-parallel reduction to {reached} of "
+                  f"{text_of(replicas)} data-parallel replica(s); found after it on {spread}")
+    lines.append(f"  spread: {spread}")
+    done = [f"action {text_of(rec.get('action'))}"]
+    replay = rec.get("replay") if isinstance(rec.get("replay"), dict) else None
+    if replay and replay.get("verdict"):
+        meaning = {"deterministic": "the same batch reproduced it: suspect data or code",
+                   "transient": "the replay was clean: suspect hardware or a race"}.get(str(replay["verdict"]), "")
+        done.append(f"replay {replay['verdict']}" + (f" ({meaning})" if meaning else ""))
+    if isinstance(rec.get("rolled_back_to"), int):
+        done.append(f"rolled back to the healthy checkpoint of step {rec['rolled_back_to']}"
+                    + (f", learning rate x{rec['lr_scale']:g}" if isinstance(rec.get("lr_scale"), (int, float)) else ""))
+    if isinstance(rec.get("blacklisted"), list) and rec["blacklisted"]:
+        done.append(f"{len(rec['blacklisted'])} sample(s) blacklisted")
+    if isinstance(rec.get("origin_ranks"), list) and rec["origin_ranks"]:
+        done.append(f"entered before the data-parallel reduction on rank(s) {rec['origin_ranks']}")
+    if rec.get("reason"):
+        done.append(f"graded {text_of(rec.get('severity'))}: {rec['reason']}")
+    samples = rec["batch"].get("samples") if isinstance(rec.get("batch"), dict) else None
+    if isinstance(samples, list) and samples:
+        shown = ", ".join(map(str, samples[:4])) + (", ..." if len(samples) > 4 else "")
+        done.append(f"batch of {len(samples)} sample(s) [{shown}]")
+    if rec.get("scene"):
+        done.append(f"scene {rec['scene']}")
+    if rec.get("injected"):
+        done.append("injected by a drill: " + _drills(rec["injected"]))
+    lines.append("  done: " + "; ".join(done))
+    return lines
+
+
+def _drills(injected: Any) -> str:
+    """What fired: ``nan:step=3,... -> decoder.layers.1.mlp.linear_fc1.weight on rank 1``."""
+    if not isinstance(injected, list):
+        return text_of(injected)
+    said = []
+    for entry in injected:
+        if isinstance(entry, dict):
+            target = (f"sample {entry['sample']}" if "sample" in entry else
+                      f"output of {entry['module']}" if "module" in entry else text_of(entry.get("param")))
+            text = f"{text_of(entry.get('drill'))} -> {target} on rank {text_of(entry.get('rank'))}"
+        else:  # records written before 'injected' said what fired: the spec text
+            text = text_of(entry)
+        if text not in said:
+            said.append(text)
+    return "; ".join(said)
+
+
+def one_line(record: dict) -> str:
+    """The headline, where the fault was first seen (unless the message names it already) and
+    the action: the log line of an incident."""
+    first = record.get("first") if isinstance(record.get("first"), dict) else None
+    where = ""
+    if first:
+        ranks = ranks_of(first)
+        if str(first.get("name")) not in str(record.get("message")):
+            where = f" (first: {first.get('name')} on rank {ranks.get('global', '?')})"
+    return f"{headline(record)}{where}; action {record.get('action')}"

@@ -1,0 +1,102 @@
+"""Drill specs (``KIND:key=value,...``) parsed without training: every kind and key, and the
+message of every refusal (inject.parse_spec)."""
+
+import pytest
+
+from megatron_patches.errors import ConfigError, UserError
+from megatron_patches.inject import KINDS, InjectionSpec, parse_spec
+
+pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)
+
+
+def test_the_smallest_spec_takes_every_default():
+    assert parse_spec("nan:step=5") == InjectionSpec(
+        kind="nan", step=5, param=None, rank=None, count=1, phase="grad", factor=1.0e4, sample=None, bit=None,
+        module=None, text="nan:step=5")
+
+
+def test_every_gradient_key_is_read():
+    spec = parse_spec("inf:step=3,param=*linear_fc1.weight,rank=1,count=4,phase=local")
+    assert (spec.kind, spec.step, spec.param, spec.rank, spec.count, spec.phase) == (
+        "inf", 3, "*linear_fc1.weight", 1, 4, "local")
+
+
+def test_spaces_around_kind_keys_and_values_are_ignored_and_the_text_kept_stripped():
+    spec = parse_spec("  spike:step = 2 , factor = 10 ,  ")
+    assert (spec.kind, spec.step, spec.factor, spec.text) == ("spike", 2, 10.0, "spike:step = 2 , factor = 10 ,")
+
+
+@pytest.mark.parametrize("text, factor", [
+    ("spike:step=1", 1.0e4), ("spike:step=1,factor=0.5", 0.5), ("growth:step=1", 1.5), ("growth:step=1,factor=3", 3.0)])
+def test_factor_defaults_per_kind(text, factor):
+    assert parse_spec(text).factor == factor
+
+
+def test_bitflip_takes_a_bit_and_defaults_to_none():
+    assert parse_spec("bitflip:step=2,bit=3").bit == 3
+    assert parse_spec("bitflip:step=2").bit is None
+    assert parse_spec("saturate:step=2").kind == "saturate"
+
+
+def test_poison_takes_one_sample_and_no_step():
+    spec = parse_spec("poison:sample=7")
+    assert (spec.kind, spec.sample, spec.step, spec.text) == ("poison", 7, 0, "poison:sample=7")
+    assert parse_spec("poison:sample=0").sample == 0
+
+
+def test_kill_takes_a_step_and_a_rank():
+    spec = parse_spec("kill:step=4,rank=1")
+    assert (spec.kind, spec.step, spec.rank) == ("kill", 4, 1)
+
+
+def test_a_forward_drill_names_a_module():
+    spec = parse_spec("spike:step=2,phase=forward,module=decoder.layers.1.mlp")
+    assert (spec.phase, spec.module, spec.param) == ("forward", "decoder.layers.1.mlp", None)
+
+
+def test_covers_its_window_and_poison_and_kill_cover_no_gradient_step():
+    spec = parse_spec("nan:step=5,count=3")
+    assert [s for s in range(3, 10) if spec.covers(s)] == [5, 6, 7]
+    assert not any(parse_spec("poison:sample=1").covers(s) for s in range(0, 5))
+    assert not any(parse_spec("kill:step=2,rank=0").covers(s) for s in range(0, 5))
+
+
+REFUSED = [
+    ("boom:step=1", "kind must be one of " + ", ".join(KINDS) + ", got 'boom'"),
+    (":step=1", "kind must be one of " + ", ".join(KINDS) + ", got ''"),
+    ("nan", "step=N is required"),
+    ("nan:rank=1", "step=N is required"),
+    ("nan:step", "expected key=value with key in step, param, rank, count, phase, factor, sample, bit, module, "
+                 "got 'step'"),
+    ("nan:stp=1", "expected key=value with key in"),
+    ("nan:step=x", "step must be an integer, got 'x'"),
+    ("nan:step=0", "step must be >= 1, got 0"),
+    ("nan:step=1,rank=-1", "rank must be >= 0, got -1"),
+    ("nan:step=1,rank=one", "rank must be an integer, got 'one'"),
+    ("nan:step=1,count=0", "count must be >= 1, got 0"),
+    ("nan:step=1,sample=2", "sample applies to poison only"),
+    ("nan:step=1,phase=backward", "phase must be one of grad, local, forward, got 'backward'"),
+    ("nan:step=1,phase=forward", "phase=forward takes module=NAME"),
+    ("nan:step=1,phase=forward,module=m,param=p", "phase=forward takes module=NAME"),
+    ("bitflip:step=1,phase=forward,module=m", "with kind nan, inf, spike"),
+    ("nan:step=1,module=decoder", "module applies to phase=forward only"),
+    ("nan:step=1,bit=3", "bit applies to bitflip only"),
+    ("bitflip:step=1,bit=-1", "bit must be >= 0, got -1"),
+    ("nan:step=1,factor=2", "factor applies to spike and growth only"),
+    ("spike:step=1,factor=big", "factor must be a number, got 'big'"),
+    ("poison:step=3", "poison takes exactly sample=I (a dataset index)"),
+    ("poison:sample=1,rank=0", "poison takes exactly sample=I"),
+    ("poison:sample=-1", "sample must be >= 0, got -1"),
+    ("poison:sample=x", "sample must be an integer, got 'x'"),
+    ("kill:step=3", "kill takes exactly step=S and rank=R"),
+    ("kill:step=3,rank=1,count=2", "kill takes exactly step=S and rank=R"),
+]
+
+
+@pytest.mark.parametrize("text, message", REFUSED, ids=[t for t, _ in REFUSED])
+def test_a_bad_spec_is_refused_naming_the_spec_and_the_problem(text, message):
+    with pytest.raises(ConfigError) as caught:
+        parse_spec(text)
+    said = str(caught.value)
+    assert said.startswith(f"injection {text!r}: ") and message in said, said
+    assert isinstance(caught.value, UserError) and "\n" not in said
