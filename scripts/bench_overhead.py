@@ -49,9 +49,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_patches import hooks, patching, tiny_gpt
+from megatron_patches import hooks, patching
 from megatron_patches.config import Config
 from megatron_patches.monitor import GradMonitor
+from megatron_patches.testing import tiny_gpt
 
 SIZES = {
     "small": {"hidden": 64, "layers": 2, "heads": 4},
@@ -459,7 +460,7 @@ class SizeBench:
     """One model size: the harness's trainer, the variants, and what was measured on them."""
 
     def __init__(self, size: str, args, device: str, sync, workdir: str):
-        from megatron_patches.trainer import TinyTrainer
+        from megatron_patches.testing.trainer import TinyTrainer
 
         self.size, self.args, self.device, self.sync = size, args, device, sync
         shape = SIZES[size]

@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Optional
 
-from .errors import UserError
+from ..errors import UserError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -104,8 +104,8 @@ def _effective_config(args: argparse.Namespace) -> str:
     import shutil
     import tempfile
 
-    from .config import Config, config_path, read_config_file, redacted
-    from .inject import parse_spec
+    from ..config import Config, config_path, read_config_file, redacted
+    from ..inject import parse_spec
 
     source = config_path(args.config)
     data = read_config_file(source) if source else {}
@@ -164,7 +164,7 @@ def _init_distributed(args: argparse.Namespace) -> str:
         device, backend = "npu", "hccl"
         torch.npu.set_device(local_rank)  # type: ignore[attr-defined]
     else:
-        from .testing import cpu
+        from . import cpu
 
         cpu.install()
         device, backend = "cpu", "gloo"

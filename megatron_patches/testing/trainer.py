@@ -15,9 +15,9 @@ from typing import Any, Optional
 
 import torch
 
-from .collectives import all_gather_floats
+from ..collectives import all_gather_floats
 from .data import Sampler, TextCorpus, TinyCorpus
-from .errors import UserError
+from ..errors import UserError
 
 
 class TinyTrainer:
@@ -54,11 +54,11 @@ class TinyTrainer:
         self._ledger_lr_scale = 1.0
         self.tensorboard = self._open_tensorboard(args.tensorboard_dir) if self.rank == 0 else None
         if self.monitor is not None and args.recovery == "in-process":
-            from .recovery import InProcessRecovery
+            from ..recovery import InProcessRecovery
 
             self.recovery = InProcessRecovery(self.monitor, self)
         elif self.monitor is not None:
-            from .recovery import ExitAndRestart, Ledger
+            from ..recovery import ExitAndRestart, Ledger
 
             ExitAndRestart(self.monitor, self.checkpoint_root)
             ledger = Ledger.load(self.checkpoint_root)
@@ -164,7 +164,7 @@ class TinyTrainer:
         """One optimizer step; returns {loss, grad_norm, skipped, samples} (same on every rank)."""
         global_batch = self.sampler.next_global_batch()
         microbatches = self._my_microbatches(global_batch)
-        from .checkpoint import rng_state
+        from ..checkpoint import rng_state
 
         self._step_inputs = (step, microbatches, rng_state())
         self._checked_before_step = self.monitor.counters["checked_steps"] if self.monitor else 0
@@ -194,7 +194,7 @@ class TinyTrainer:
     # --- what InProcessRecovery needs (megatron_patches.recovery.TrainingLoop) -----------
 
     def replay_step(self, step: int) -> dict:
-        from .checkpoint import set_rng_state
+        from ..checkpoint import set_rng_state
 
         saved_step, microbatches, rng = self._step_inputs
         assert saved_step == step, f"replay of step {step} but the last step run was {saved_step}"
@@ -208,7 +208,7 @@ class TinyTrainer:
         return {**verdict, "bad_samples": sorted({i for part in every for i in part})}
 
     def load_checkpoint(self, path: str) -> int:
-        from .checkpoint import load_checkpoint
+        from ..checkpoint import load_checkpoint
 
         common = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         self.sampler.load_state_dict(common["sampler"])
@@ -244,7 +244,7 @@ class TinyTrainer:
                 module.hidden_dropout = 0.0
 
     def save(self, step: int, healthy: bool) -> None:
-        from .checkpoint import save_checkpoint
+        from ..checkpoint import save_checkpoint
 
         extra = {"sampler": self.sampler.state_dict(),
                  "monitor": self.monitor.state_dict() if self.monitor is not None else None}
@@ -273,7 +273,7 @@ class TinyTrainer:
         incidents_at_last_save = 0
         step = 1
         if a.resume:
-            from .checkpoint import newest_healthy
+            from ..checkpoint import newest_healthy
 
             found = newest_healthy(self.checkpoint_root)
             if found is None:
@@ -358,7 +358,7 @@ class TinyTrainer:
         return lost
 
     def _params_finite(self) -> bool:
-        from .checkpoint import params_finite
+        from ..checkpoint import params_finite
 
         return params_finite(self.model)
 
@@ -402,7 +402,7 @@ class TinyTrainer:
         if self.tensorboard is not None:
             self.tensorboard.close()
         if self.rank == 0:
-            from .checkpoint import write_json_atomic
+            from ..checkpoint import write_json_atomic
 
             os.makedirs(a.out, exist_ok=True)
             path = os.path.join(a.out, "result.json")
