@@ -3,7 +3,9 @@
 
 It builds the model from megatron-core's own parts (parallel_state, GPTModel with the local
 layer spec, DistributedDataParallel, get_megatron_optimizer, the pipeline schedules) and
-guards it through ``import megatron_patches.apply``, exactly as a Megatron-LM job would.
+guards it with ``runtime.install(config)``, what ``import megatron_patches.apply`` does in a
+Megatron-LM job, before the process group starts. Each rank builds the config in memory from
+its own (identical) command line; ``<out>/effective_config.yaml`` records it for people.
 Without an accelerator it runs on the CPU with gloo through the CPU test runtime.
 Rank 0 prints one line per step and writes ``<out>/result.json``.
 """
@@ -13,9 +15,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ..errors import UserError
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -91,51 +96,36 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-def _effective_config(args: argparse.Namespace) -> str:
-    """Write the config the job runs with (file + --inject + --out); return the path the ranks
-    load it from.
+def harness_config(args: argparse.Namespace) -> "Config":
+    """The guard's config for this run, built once: the ``--config`` file (else
+    $MEGATRON_PATCHES_CONFIG, else the defaults) with the ``--inject`` specs added and
+    ``report_dir`` set to ``--out`` unless the file sets one (reports can live apart from the
+    results and checkpoints, which stay under ``--out``).
 
-    ``report_dir`` is the config file's when it sets one, else ``--out``: reports can live apart
-    from the results and checkpoints (which stay under ``--out``). ``<out>/effective_config.yaml``
-    is the record for people, webhook URLs cut to their host; the ranks load the whole config
-    from a private copy (mode 0600, in a directory of this process's own) removed at exit."""
-    import atexit
+    ``<out>/effective_config.yaml`` records it for people, webhook URLs cut to their host
+    (mode 0600, as any file that names a webhook). The ranks use the returned object: the whole
+    URL never touches the disk."""
     import dataclasses
-    import shutil
-    import tempfile
+
+    import yaml
 
     from ..config import Config, config_path, read_config_file, redacted
-    from ..inject import parse_spec
+    from ..files import write_text_atomic
 
     source = config_path(args.config)
     data = read_config_file(source) if source else {}
     base = Config.from_dict(data)
-    for spec in args.inject:
-        parse_spec(spec)  # reject a bad spec before any process group exists
     report_dir = base.report_dir if "report_dir" in data else args.out
-    config = _plain(dataclasses.asdict(base.replace(inject=tuple(base.inject) + tuple(args.inject),
-                                                    report_dir=report_dir)))
+    config = base.replace(inject=tuple(base.inject) + tuple(args.inject), report_dir=report_dir)
     os.makedirs(args.out, exist_ok=True)
-    # Every rank writes the same content; a temporary name per process keeps them from
-    # renaming each other's half-written file.
-    _write_yaml(os.path.join(args.out, "effective_config.yaml"), redacted(config))
-    private = tempfile.mkdtemp(prefix="megatron_patches_config.")  # 0700, this process's own
-    atexit.register(shutil.rmtree, private, ignore_errors=True)
-    path = os.path.join(private, "config.yaml")
-    _write_yaml(path, config)
-    return path
-
-
-def _write_yaml(path: str, data: dict) -> None:
-    import yaml
-
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as handle:
-        yaml.safe_dump(data, handle, sort_keys=False, allow_unicode=True)
-    os.replace(tmp, path)
+    # Every rank writes the same content (write_text_atomic's temporary name is per process).
+    text = yaml.safe_dump(redacted(_plain(dataclasses.asdict(config))), sort_keys=False, allow_unicode=True)
+    write_text_atomic(os.path.join(args.out, "effective_config.yaml"), text, mode=0o600)
+    return config
 
 
 def _plain(value):
+    """``dataclasses.asdict`` output with tuples as lists, which YAML's safe dumper writes."""
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -143,31 +133,44 @@ def _plain(value):
     return value
 
 
-def _init_distributed(args: argparse.Namespace) -> str:
-    """Start torch.distributed; returns the device type ('cuda', 'npu' or 'cpu')."""
-    import torch
-
-    if "RANK" not in os.environ:  # plain `python -m`: a world of one
+def _launch_env(args: argparse.Namespace) -> None:
+    """Set the launcher's variables for a plain ``python -m`` (a world of one) and check that
+    tp*pp divides the world."""
+    if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     world = int(os.environ["WORLD_SIZE"])
     if world % (args.tp * args.pp):
         raise UserError(f"tp*pp = {args.tp}*{args.pp} does not divide the world size {world}; "
                         f"launch with --nproc-per-node a multiple of {args.tp * args.pp}")
+
+
+def _select_device(args: argparse.Namespace) -> tuple[str, str]:
+    """Claim this rank's accelerator, or install the CPU runtime; returns (device type:
+    'cuda', 'npu' or 'cpu', process-group backend)."""
+    import torch
+
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
-        device, backend = "cuda", "nccl"
         torch.cuda.set_device(local_rank)
         if args.precision == "bf16" and not torch.cuda.is_bf16_supported():
             raise UserError("this GPU cannot run bf16; use --precision fp16 or fp32")
-    elif _npu_available():
-        device, backend = "npu", "hccl"
+        return "cuda", "nccl"
+    if _npu_available():
         torch.npu.set_device(local_rank)  # type: ignore[attr-defined]
-    else:
-        from . import cpu
+        return "npu", "hccl"
+    from . import cpu
 
-        cpu.install()
-        device, backend = "cpu", "gloo"
+    cpu.install()
+    return "cpu", "gloo"
+
+
+def _init_distributed(args: argparse.Namespace) -> str:
+    """Start torch.distributed (no guard); returns the device type ('cuda', 'npu' or 'cpu')."""
+    import torch
+
+    _launch_env(args)
+    device, backend = _select_device(args)
     torch.distributed.init_process_group(backend=backend)
     return device
 
@@ -191,23 +194,28 @@ def _free_port() -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    import torch
+
     try:
         args = parse_args(argv)
-        if not args.no_guard:
-            os.environ["MEGATRON_PATCHES_CONFIG"] = _effective_config(args)
-        device = _init_distributed(args)
+        config = None if args.no_guard else harness_config(args)
+        _launch_env(args)
+        device, backend = _select_device(args)
+        monitor = None
+        if config is not None:
+            from ..runtime import install
+
+            monitor = install(config)  # the --inject specs are parsed here, before any process group
+        torch.distributed.init_process_group(backend=backend)
         from .trainer import TinyTrainer
 
-        trainer = TinyTrainer(args, device)
-        result = trainer.train()
+        result = TinyTrainer(args, device, monitor).train()
     except UserError as exc:
         print(f"tiny_gpt: error: {exc}", file=sys.stderr)
         return 2
     except SystemExit as exc:  # the guard stopped every rank with a documented code
         return int(exc.code or 0)
     finally:
-        import torch
-
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return 0 if result["params_finite"] else 1
