@@ -901,9 +901,9 @@ def _gather(summary: dict) -> list:
 
 
 def _write(result: dict, path: str) -> None:
-    with open(path + ".tmp", "w", encoding="utf-8") as handle:
-        json.dump(result, handle, indent=1)
-    os.replace(path + ".tmp", path)
+    from megatron_patches.checkpoint import write_json_atomic
+
+    write_json_atomic(path, result, indent=1)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ from .run_log import RunLog
 
 
 class TinyTrainer:
+    """A tiny GPT on megatron-core, trained step by step; also the loop that
+    :class:`~megatron_patches.recovery.InProcessRecovery` replays and rolls back."""
+
     def __init__(self, args: argparse.Namespace, device: str, monitor: Any = None):
         """``monitor``: the installed guard (``runtime.install``), or None to train unguarded."""
         self.args = args
