@@ -335,7 +335,7 @@ def run_dp2(args) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.getLogger("megatron_patches").setLevel(logging.WARNING)  # not one "patched ..." line per switch
-    device = tiny_gpt._init_distributed(tiny_gpt.parse_args(["--no-guard"]))  # CPU runtime + gloo without a GPU
+    device = tiny_gpt.init_distributed(tiny_gpt.parse_args(["--no-guard"]))  # CPU runtime + gloo without a GPU
     sync = getattr(torch, device).synchronize if device != "cpu" else (lambda: None)
     started = time.time()
     result = {"schema": "megatron_patches.bench/2", "environment": environment(device),

@@ -165,8 +165,9 @@ def _select_device(args: argparse.Namespace) -> tuple[str, str]:
     return "cpu", "gloo"
 
 
-def _init_distributed(args: argparse.Namespace) -> str:
-    """Start torch.distributed (no guard); returns the device type ('cuda', 'npu' or 'cpu')."""
+def init_distributed(args: argparse.Namespace) -> str:
+    """Start torch.distributed without the guard (``scripts/bench_overhead.py`` switches it on
+    and off itself); returns the device type ('cuda', 'npu' or 'cpu')."""
     import torch
 
     _launch_env(args)
