@@ -19,9 +19,10 @@ def write_text_atomic(path: str, text: str, *, mode: int = 0o666) -> None:
     file only this user may read). Raises OSError when any step fails; the temporary file is
     removed then."""
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = f"{path}.{os.getpid()}.tmp"  # per process: ranks writing one file never rename each other's
+    _remove(tmp)  # a stale one from a crashed run would keep its old permission bits
     try:
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w", encoding="utf-8") as handle:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())

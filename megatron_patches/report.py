@@ -184,6 +184,39 @@ def _edges(steps: list[int]) -> list[float]:
     return [2 * steps[0] - mids[0]] + mids + [2 * steps[-1] - mids[-1]]
 
 
+def _layer_grid(by_step: dict, steps: list[int], layers: list[str]):
+    """(norms, non-finite marks): layers x steps arrays, NaN where a cell has nothing to show."""
+    import numpy as np
+
+    grid = np.full((max(len(layers), 1), len(steps)), np.nan)
+    bad = np.full(grid.shape, np.nan)
+    for j, step in enumerate(steps):
+        values = by_step[step].get("layers") or {}
+        for i, name in enumerate(layers):
+            v = values.get(name, 0)
+            if isinstance(v, (int, float)) and math.isfinite(v) and v > 0:
+                grid[i, j] = v
+            elif v is None:
+                bad[i, j] = 1.0
+    return grid, bad
+
+
+def _plot_totals(ax, by_step: dict, steps: list[int]) -> None:
+    """The total norm on a log axis; non-finite totals as red crosses along the top."""
+    totals = [(s, by_step[s].get("total_norm")) for s in steps]
+    good = [(s, v) for s, v in totals if isinstance(v, (int, float)) and math.isfinite(v) and v > 0]
+    if good:
+        ax.plot([s for s, _ in good], [v for _, v in good], color="black", linewidth=1)
+        ax.set_yscale("log")
+    nonfinite = [s for s, v in totals if v is None]
+    if nonfinite:
+        ax.plot(nonfinite, [1] * len(nonfinite), "rx", transform=ax.get_xaxis_transform(),
+                label="non-finite total norm", clip_on=False)
+        ax.legend(loc="upper left", fontsize="small")
+    ax.set_ylabel("total norm")
+    ax.set_xlabel("step")
+
+
 def plot(report: Report, out_path: str) -> None:
     """Per-layer gradient-norm heatmap (log colours) and the total norm, incidents marked."""
     try:
@@ -205,31 +238,16 @@ def plot(report: Report, out_path: str) -> None:
     for h in rows:
         seen.update(dict.fromkeys(str(k) for k in (h.get("layers") or {})))
     layers = _layer_order(list(seen))
+    grid, bad = _layer_grid(by_step, steps, layers)
 
-    grid = np.full((max(len(layers), 1), len(steps)), np.nan)
-    bad = np.full(grid.shape, np.nan)
-    for j, step in enumerate(steps):
-        values = by_step[step].get("layers") or {}
-        for i, name in enumerate(layers):
-            if name not in values:
-                continue
-            v = values[name]
-            if isinstance(v, (int, float)) and math.isfinite(v) and v > 0:
-                grid[i, j] = v
-            elif v is None:
-                bad[i, j] = 1.0
-
-    fig, (ax_heat, ax_total) = plt.subplots(
-        2, 1, sharex=True, figsize=(11, 7), gridspec_kw={"height_ratios": [3, 1.3]}, layout="constrained"
-    )
+    fig, (ax_heat, ax_total) = plt.subplots(2, 1, sharex=True, figsize=(11, 7), layout="constrained",
+                                            gridspec_kw={"height_ratios": [3, 1.3]})
     x_edges, y_edges = _edges(steps), np.arange(len(layers) + 1) - 0.5
     finite = grid[np.isfinite(grid)]
     if finite.size:
         vmin, vmax = float(finite.min()), float(finite.max())
-        mesh = ax_heat.pcolormesh(
-            x_edges, y_edges, np.ma.masked_invalid(grid),
-            norm=LogNorm(vmin=vmin, vmax=vmax if vmax > vmin else vmin * 10), cmap="viridis", shading="flat",
-        )
+        mesh = ax_heat.pcolormesh(x_edges, y_edges, np.ma.masked_invalid(grid), cmap="viridis", shading="flat",
+                                  norm=LogNorm(vmin=vmin, vmax=vmax if vmax > vmin else vmin * 10))
         fig.colorbar(mesh, ax=ax_heat, label="layer gradient L2 norm (log)")
     if np.isfinite(bad).any():
         ax_heat.pcolormesh(x_edges, y_edges, np.ma.masked_invalid(bad), cmap=ListedColormap(["red"]), shading="flat")
@@ -238,20 +256,7 @@ def plot(report: Report, out_path: str) -> None:
     ax_heat.set_yticklabels(layers, fontsize="small" if len(layers) < 40 else "xx-small")
     ax_heat.set_ylabel("layer")
     fig.suptitle(f"gradient norms, {report.directory}")
-
-    totals = [(s, by_step[s].get("total_norm")) for s in steps]
-    good = [(s, v) for s, v in totals if isinstance(v, (int, float)) and math.isfinite(v) and v > 0]
-    if good:
-        ax_total.plot([s for s, _ in good], [v for _, v in good], color="black", linewidth=1)
-        ax_total.set_yscale("log")
-    nonfinite = [s for s, v in totals if v is None]
-    if nonfinite:
-        ax_total.plot(nonfinite, [1] * len(nonfinite), "rx", transform=ax_total.get_xaxis_transform(),
-                      label="non-finite total norm", clip_on=False)
-        ax_total.legend(loc="upper left", fontsize="small")
-    ax_total.set_ylabel("total norm")
-    ax_total.set_xlabel("step")
-
+    _plot_totals(ax_total, by_step, steps)
     for rec in report.incidents:
         step = rec.get("step")
         if not isinstance(step, (int, float)) or not math.isfinite(step):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import assert_trained, run_tiny
-from megatron_patches.data import TextCorpus
+from megatron_patches.testing.data import TextCorpus
 from megatron_patches.errors import UserError
 
 pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)

@@ -79,7 +79,7 @@ class TextCorpus:
     vocab_size = 256
 
     def __init__(self, path: str, seq_length: int, seed: int = 0, max_bytes: int = 32 * 2**20):
-        from .errors import UserError
+        from ..errors import UserError
 
         if not os.path.exists(path):
             raise UserError(f"--data text:{path}: no such file or directory")
