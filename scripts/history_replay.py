@@ -26,7 +26,7 @@ from dataclasses import replace
 import numpy as np
 
 from megatron_patches.config import HistoryConfig
-from megatron_patches.detectors.history import _Stats, shares
+from megatron_patches.detectors.history import _Stats, is_vocabulary, judged_slots, shares
 
 
 def load(path: str) -> tuple[list[str], list[dict]]:
@@ -40,7 +40,7 @@ def load(path: str) -> tuple[list[str], list[dict]]:
     return names, lines
 
 
-def replay(lines: list[dict], cfg: HistoryConfig, raw: bool = False) -> dict:
+def replay(lines: list[dict], cfg: HistoryConfig, raw: bool = False, names: tuple = ()) -> dict:
     """The flags one setting raises over one trace, and the largest z and ratio per level.
     ``raw``: judge parameters and layers by their norms, as the detector did before it judged
     shares (for comparison)."""
@@ -55,9 +55,13 @@ def replay(lines: list[dict], cfg: HistoryConfig, raw: bool = False) -> dict:
             values = values if level == "total" or raw else shares(values)
             stats.setdefault(level, _Stats(len(values)))
             floor = cfg.total_min_ratio if level == "total" or raw else cfg.min_ratio
-            j = judged[level] = stats[level].judge(values, np.ones(len(values), dtype=bool), cfg,
-                                                   drift=level != "params", min_ratio=floor)
-            warm = stats[level].count >= cfg.warmup_steps
+            valid = np.ones(len(values), dtype=bool)
+            if not raw and level == "layers":
+                valid = judged_slots(len(values))
+            elif not raw and level == "params":
+                valid = np.array([not is_vocabulary(n) for n in names]) if names else valid
+            j = judged[level] = stats[level].judge(values, valid, cfg, drift=level != "params", min_ratio=floor)
+            warm = (stats[level].count >= cfg.warmup_steps) & valid
             if warm.any():
                 ratio = math.exp(float(np.max(np.where(warm, j.logn - stats[level].mean, -np.inf))))
                 z = float(np.max(np.where(warm, j.z, -np.inf)))
@@ -94,7 +98,7 @@ def main() -> None:
         total = 0
         print(f"zscore {z} min_ratio {ratio} drift {dsteps} x {dratio} warmup {warmup} total_min_ratio {total_ratio}")
         for path, (names, lines) in traces.items():
-            result = replay(lines, cfg, args.raw)
+            result = replay(lines, cfg, args.raw, tuple(names))
             total += len(result["flags"])
             worst = ", ".join(f"{level} z {w[0]:.1f} x{w[1]:.1f}" for level, w in sorted(result["worst"].items()))
             print(f"  {path}: {len(lines)} steps, {len(result['flags'])} flagged; largest {worst}")

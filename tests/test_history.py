@@ -246,3 +246,12 @@ def test_a_baseline_of_raw_norms_from_an_older_version_is_dropped(caplog):
         detector.load_state_dict(old)
     assert "older kind" in caplog.text
     assert "total" not in detector.state_dict()  # warms up again instead of judging shares by norms
+
+
+def test_vocabulary_tensors_and_their_slots_are_left_to_peers():
+    from megatron_patches.detectors.history import is_vocabulary, judged_slots
+
+    assert is_vocabulary("embedding.word_embeddings.weight") and is_vocabulary("output_layer.weight")
+    assert not is_vocabulary("embedding.position_embeddings.weight")
+    assert not is_vocabulary("decoder.layers.0.mlp.linear_fc1.weight")
+    assert judged_slots(4).tolist() == [True, True, False, False]  # layer 0, layer 1, embedding, output

@@ -147,6 +147,7 @@ class HistoryDetector(Detector):
         self._loaded: Optional[dict] = None
         self._judged: dict[str, Optional[_Judged]] = {}
         self._param_flags = 0.0
+        self._judged_rows: Optional[torch.Tensor] = None  # False for vocabulary tensors (is_vocabulary)
 
     # --- fast path -------------------------------------------------------------------
 
@@ -162,7 +163,7 @@ class HistoryDetector(Detector):
         stats = self._param_stats(ctx)
         # Parameters are judged by z-score only: per-tensor norms (biases, norms) are too noisy
         # for a per-step growth rule; a growth that matters shows in its layer's norm.
-        mask = self._sample_mask(len(ctx.entries), ctx.device)
+        mask = self._sample_mask(len(ctx.entries), ctx.device) & self._judged_rows
         judged = self._judged["params"] = stats.judge(shares(ctx.norms), mask, self.cfg, drift=False)
         out[_Z] = judged.zflag.sum()
 
@@ -175,7 +176,8 @@ class HistoryDetector(Detector):
             self._total, self._layers = _Stats(1), _Stats(len(layers))
         for level, stats, values, floor in (("total", self._total, np.array([ctx.total_norm]), self.cfg.total_min_ratio),
                                             ("layers", self._layers, shares(np.array(layers, dtype=float)), None)):
-            self._judged[level] = stats.judge(values, np.ones(len(values), dtype=bool), self.cfg, min_ratio=floor)
+            self._judged[level] = stats.judge(values, judged_slots(len(values)) if level == "layers" else
+                                              np.ones(1, dtype=bool), self.cfg, min_ratio=floor)
         if os.environ.get(_TRACE) and collectives.rank() == 0:
             self._trace(ctx)
         kinds = []
@@ -323,6 +325,7 @@ class HistoryDetector(Detector):
         index = [where.get(k, -1) for k in keys]
         self._params = source.take(index, ctx.device) if source is not None else _Stats(len(keys), ctx.device)
         self._keys, self._layout = keys, layout
+        self._judged_rows = torch.tensor([not is_vocabulary(k[0]) for k in keys], dtype=torch.bool, device=ctx.device)
         return self._params
 
     def _sample_mask(self, size: int, device: torch.device) -> torch.Tensor:
@@ -331,6 +334,23 @@ class HistoryDetector(Detector):
         if period == 1:
             return torch.ones(size, dtype=torch.bool, device=device)
         return torch.arange(size, device=device) % period == self._rotation.turn(self._checks)
+
+
+def is_vocabulary(name: str) -> bool:
+    """Tensors indexed by token (word embeddings, the output layer): their gradient lives in
+    the rows of the tokens a batch holds, so it bursts whenever rare tokens come by (with
+    byte tokens and TP 2, the output layer's shard of bytes 128-255 on every non-ASCII
+    passage). Their history is not a baseline; ``peers`` judges them by their share of the
+    model, from the first step."""
+    return name.endswith(("word_embeddings.weight", "output_layer.weight"))
+
+
+def judged_slots(count: int) -> np.ndarray:
+    """Layer slots judged on their own: the transformer layers, not the embedding and output
+    slots (the last two), whose gradients are the vocabulary tensors' (see is_vocabulary)."""
+    mask = np.ones(count, dtype=bool)
+    mask[max(0, count - 2):] = False
+    return mask
 
 
 def shares(norms: Any) -> Any:
