@@ -381,7 +381,7 @@ def _gather(summary: dict) -> list:
 
 
 def _write(result: dict, path: str) -> None:
-    from megatron_patches.checkpoint import write_json_atomic
+    from megatron_patches.files import write_json_atomic
 
     write_json_atomic(path, result, indent=1)
 

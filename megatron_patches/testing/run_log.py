@@ -106,7 +106,7 @@ class RunLog:
         if self.tensorboard is not None:
             self.tensorboard.close()
         if self.rank == 0:
-            from ..checkpoint import write_json_atomic
+            from ..files import write_json_atomic
 
             os.makedirs(self.args.out, exist_ok=True)
             path = os.path.join(self.args.out, "result.json")
