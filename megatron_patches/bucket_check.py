@@ -30,6 +30,7 @@ import torch
 
 from . import hooks, locate
 from .incidents import ParamFinding
+from .origin import param_grad
 
 log = logging.getLogger("megatron_patches")
 
@@ -105,8 +106,7 @@ def nonfinite_params(group: Any) -> list[ParamFinding]:
     ranks, host, device = locate.rank_info(), locate.host(), locate.device_name()
     findings = []
     for param in params:
-        grad = getattr(param, "main_grad", None)
-        grad = grad if grad is not None else param.grad
+        grad = param_grad(param)
         if grad is None:
             continue
         nan, inf = int(torch.isnan(grad).sum()), int(torch.isinf(grad).sum())
@@ -130,8 +130,7 @@ def _inject(monitor: Any, group: Any) -> None:
     infos = _names(params)
     grads = []
     for param in params:
-        grad = getattr(param, "main_grad", None)
-        grad = grad if grad is not None else param.grad
+        grad = param_grad(param)
         if grad is not None and id(param) in infos:
             grads.append((infos[id(param)].name, infos[id(param)].order, grad))
     fired = monitor.injector.apply(monitor.upcoming_step(), "local", monitor.rank, grads, part=True)

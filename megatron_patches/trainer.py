@@ -350,8 +350,8 @@ class TinyTrainer:
         """Records the guard could not write on this rank (its report files and fault scenes),
         by file; each loss was logged as a warning and training went on."""
         lost = {}
-        for writer in (self.monitor._incidents, self.monitor._history):
-            if writer is not None and writer.lost_writes:
+        for writer in self.monitor.publisher.writers():
+            if writer.lost_writes:
                 lost[writer.path] = writer.lost_writes
         if scenes is not None and scenes.failed:
             lost[os.path.join(self.monitor.report_dir, "scenes")] = scenes.failed
@@ -396,7 +396,7 @@ class TinyTrainer:
             "lost_writes": {},
         }
         if self.monitor is not None:
-            scenes = self.monitor._scenes  # close() lets go of it; its failures are counted while closing
+            scenes = self.monitor.publisher.scenes  # close() lets go of it; its failures are counted while closing
             self.monitor.close()
             result["lost_writes"] = self._lost_writes(scenes)
         if self.tensorboard is not None:
