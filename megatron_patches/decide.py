@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 from . import locate
 from .check import Verdict
 from .collectives import broadcast_from_zero, gather_to_zero
-from .findings import assemble, origins_of
+from .findings import assemble, first_name, local_findings, origins_of
 from .incidents import Incident, finite_or_none
 from .response import EXIT_PEER_LOST, Action, Decision, GradePolicy, Severity
 
@@ -66,6 +66,16 @@ class Responder:
         log.warning("step %d: %s: %s -> %s (%s)", ctx.step, decision.severity, incident.message,
                     decision.action, decision.reason)
         return decision, incident
+
+
+    def replay_verdict(self, verdict: Verdict) -> dict:
+        """A replay's check: ``{"flagged", "first"}`` on every rank, ``first`` the parameter nearest
+        the output among every rank's findings (no incident, no grading)."""
+        timeout, first = self.config.response.peer_timeout_s, None
+        if verdict.flagged:
+            mine = local_findings(self.config, self.detectors, verdict.ctx, verdict.maxabs, verdict.total_over)
+            first = first_name([f for part in gather_to_zero(mine, timeout) for f in part])
+        return broadcast_from_zero({"flagged": verdict.flagged, "first": first}, timeout)
 
 
 def _fallback_incident(verdict: Verdict, decision: Decision) -> Optional[Incident]:

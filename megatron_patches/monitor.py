@@ -28,12 +28,12 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import detectors as detector_plugins
-from . import locate, scene, served_norm
+from . import hooks, locate, scene, served_norm
 from .check import CheckStage, Verdict
-from .collectives import PeerLost, broadcast_from_zero, gather_to_zero
+from .collectives import PeerLost
 from .decide import Responder, exit_peer_lost
 from .config import Config
-from .findings import first_name, local_findings
+from .findings import local_findings
 from .incidents import Incident, Outcome
 from .inject import Injector, parse_spec
 from .loss_scale import LossScaleWatch
@@ -90,7 +90,6 @@ class GradMonitor:
         self._batch_info: dict = {}
         self._batch_tokens: Optional[list] = None
         self._prepared: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        self._replay_result: Optional[dict] = None  # set while a replay's check runs
         self.counters = {"checked_steps": 0, "skipped_steps": 0, "incidents": 0, "scaler_overflows": 0,
                          "injected": 0, "served_norms": 0}
         self.last_total_norm: Optional[float] = None
@@ -228,10 +227,6 @@ class GradMonitor:
     def _check(self, optimizer: Any, entries: list, step: int, action: Action = Action.SKIP_STEP) -> bool:
         before = self.origin.take()
         verdict = self.stage.run(optimizer, entries, step, before.flag, self.overflow_mode == "saturation")
-        if self._replay_result is not None:  # a replay is a diagnosis, not a training step
-            self.stage.commit(verdict, accepted=False)  # judged, but baselines stay as they were
-            self._replay_result = self._replay_verdict(verdict)
-            return True
         self._note_checked(optimizer, entries, verdict)
         if not verdict.flagged:
             self.stage.commit(verdict, accepted=True)
@@ -306,25 +301,27 @@ class GradMonitor:
     def replay_check(self, optimizer: Any, step: int) -> dict:
         """Run the check on gradients a loop has just recomputed for ``step`` (no update, no new
         incident). Returns ``{"flagged", "first"}``, identical on every rank."""
-        self._replay_result = {"flagged": False, "first": None}
-        try:
-            self.set_step(step)
-            optimizer.prepare_grads()
-            return self._replay_result
-        finally:
-            self._replay_result = None
+        from .integrations.mindspeed import undo_prepare_on_skip
 
-    def _replay_verdict(self, verdict: Verdict) -> dict:
-        first = None
-        timeout = self.config.response.peer_timeout_s
-        try:
-            if verdict.flagged:
-                mine = local_findings(self.config, self.detectors, verdict.ctx, verdict.maxabs, verdict.total_over)
-                first = first_name([f for part in gather_to_zero(mine, timeout) for f in part])
-            return broadcast_from_zero({"flagged": verdict.flagged, "first": first}, timeout)
-        except PeerLost as error:
-            self._peer_lost(verdict.ctx.step, error)
-            raise
+        with hooks.unchecked():  # Megatron's own prepare_grads: no second pass through the hooks
+            found_inf = bool(optimizer.prepare_grads())
+        self._step, self._step_set = step, False
+        result = {"flagged": False, "first": None}
+        if found_inf:
+            self._scaler_overflow(optimizer, step)
+        else:
+            self._loss_scale.clear()
+            if step % self.config.check_interval:
+                return result
+            verdict = self.stage.run(optimizer, self.stage.entries_for(optimizer), step, self.origin.take().flag,
+                                     self.overflow_mode == "saturation")
+            self.stage.commit(verdict, accepted=False)  # judged, but baselines stay as they were
+            try:
+                result = self.responder.replay_verdict(verdict)
+            except PeerLost as error:
+                self._peer_lost(step, error)
+        undo_prepare_on_skip(optimizer)  # no update follows (MindSpeed --reuse-fp32-param)
+        return result
 
     def take_decision(self) -> Optional[Decision]:
         decision, self.decision = self.decision, None
