@@ -31,6 +31,7 @@ import torch
 from . import hooks, locate
 from .incidents import ParamFinding
 from .origin import param_grad
+from .protocols import Guard
 
 log = logging.getLogger("megatron_patches")
 
@@ -48,14 +49,14 @@ class _Scope:
 _scope: contextvars.ContextVar[Optional[_Scope]] = contextvars.ContextVar("megatron_patches_bucket_check", default=None)
 
 
-def owns(monitor: Any, check_for_nan_or_inf: bool) -> bool:
+def owns(monitor: Guard, check_for_nan_or_inf: bool) -> bool:
     """Whether the guard takes this check over: Megatron's NaN check on, a step the guard checks."""
     config = monitor.config
     return (bool(check_for_nan_or_inf) and config.detectors.nonfinite.enabled
             and monitor.upcoming_step() % config.check_interval == 0)
 
 
-def check_grads(monitor: Any, group: Any, call: Callable[[], Any]) -> Any:
+def check_grads(monitor: Guard, group: Any, call: Callable[[], Any]) -> Any:
     """Run Megatron's ``check_grads`` for ``group`` with its NaN/Inf verdicts routed to the guard."""
     _inject(monitor, group)
     scope = _Scope()
@@ -120,7 +121,7 @@ def nonfinite_params(group: Any) -> list[ParamFinding]:
     return findings
 
 
-def _inject(monitor: Any, group: Any) -> None:
+def _inject(monitor: Guard, group: Any) -> None:
     """``phase=local`` drills due now, into this group's gradients before Megatron takes its norm.
     Under ``--overlap-grad-reduce`` this runs during backward, the last moment before the
     collective; without it ``finalize_model_grads`` came first and has fired them already."""

@@ -29,6 +29,7 @@ import torch
 from . import locate
 from .collectives import PeerLost, gather_to_zero
 from .inject import _corrupt
+from .protocols import Guard
 
 log = logging.getLogger("megatron_patches")
 
@@ -65,7 +66,7 @@ def _replace_first(value: Any, kind: str, factor: float) -> tuple[Any, bool]:
     return value, False
 
 
-def attach_drills(monitor: Any, model_chunks: list) -> int:
+def attach_drills(monitor: Guard, model_chunks: list) -> int:
     """Hook each ``phase=forward`` drill onto the modules its pattern names on this rank;
     returns how many modules were hooked. A pattern matching nothing here is fine (another
     pipeline stage may hold that module)."""
@@ -84,7 +85,7 @@ def attach_drills(monitor: Any, model_chunks: list) -> int:
     return hooked
 
 
-def _drill_hook(monitor: Any, index: int, spec: Any, name: str):
+def _drill_hook(monitor: Guard, index: int, spec: Any, name: str):
     def hook(module, args, output):
         if not monitor.injector.forward_due(index, monitor.upcoming_step(), monitor.rank, name):
             return None

@@ -30,7 +30,8 @@ class Executor(Protocol):
 
 
 class Guard(Protocol):
-    """What executors, integrations and training loops call on the guard."""
+    """What executors, integrations, training loops and the hook-side modules (bucket_check,
+    served_norm, forward_origin) use on the guard."""
 
     config: "Config"
     injector: "Injector"
@@ -47,8 +48,18 @@ class Guard(Protocol):
     before_exit: list
     """``fn(decision)`` called on every rank before the guard ends the process."""
 
+    checked_norm: Any
+    """The last check's total norm until Megatron's get_grad_norm takes it (:mod:`~megatron_patches.served_norm`)."""
+
     @property
     def rank(self) -> int: ...
+
+    def upcoming_step(self) -> int:
+        """The step whose gradients are being made now (drills, the bucket check)."""
+
+    def note_bucket_check(self) -> None: ...
+
+    def note_pre_reduction(self, findings: list) -> None: ...
 
     @property
     def step(self) -> int: ...

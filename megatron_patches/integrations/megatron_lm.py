@@ -43,6 +43,7 @@ import torch
 
 from .. import checkpoint, hooks
 from . import mindspeed_llm
+from ..protocols import Guard
 from ..response import EXIT_ROLLBACK, Action, Decision, Severity
 
 log = logging.getLogger("megatron_patches")
@@ -139,7 +140,7 @@ def _warn0(message: str, *args: Any) -> None:
 class MegatronLMSession:
     """What one Megatron-LM process needs between the wrapper calls."""
 
-    def __init__(self, monitor: Any):
+    def __init__(self, monitor: Guard):
         self.monitor = monitor
         self.root: Optional[str] = None
         self.restart: Optional[Any] = None
