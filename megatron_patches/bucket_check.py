@@ -30,6 +30,8 @@ import torch
 
 from . import hooks, locate
 from .incidents import ParamFinding
+from .optimizer_params import model_grad
+from .protocols import Guard
 
 log = logging.getLogger("megatron_patches")
 
@@ -47,14 +49,14 @@ class _Scope:
 _scope: contextvars.ContextVar[Optional[_Scope]] = contextvars.ContextVar("megatron_patches_bucket_check", default=None)
 
 
-def owns(monitor: Any, check_for_nan_or_inf: bool) -> bool:
+def owns(monitor: Guard, check_for_nan_or_inf: bool) -> bool:
     """Whether the guard takes this check over: Megatron's NaN check on, a step the guard checks."""
     config = monitor.config
     return (bool(check_for_nan_or_inf) and config.detectors.nonfinite.enabled
             and monitor.upcoming_step() % config.check_interval == 0)
 
 
-def check_grads(monitor: Any, group: Any, call: Callable[[], Any]) -> Any:
+def check_grads(monitor: Guard, group: Any, call: Callable[[], Any]) -> Any:
     """Run Megatron's ``check_grads`` for ``group`` with its NaN/Inf verdicts routed to the guard."""
     _inject(monitor, group)
     scope = _Scope()
@@ -105,8 +107,7 @@ def nonfinite_params(group: Any) -> list[ParamFinding]:
     ranks, host, device = locate.rank_info(), locate.host(), locate.device_name()
     findings = []
     for param in params:
-        grad = getattr(param, "main_grad", None)
-        grad = grad if grad is not None else param.grad
+        grad = model_grad(param)
         if grad is None:
             continue
         nan, inf = int(torch.isnan(grad).sum()), int(torch.isinf(grad).sum())
@@ -120,7 +121,7 @@ def nonfinite_params(group: Any) -> list[ParamFinding]:
     return findings
 
 
-def _inject(monitor: Any, group: Any) -> None:
+def _inject(monitor: Guard, group: Any) -> None:
     """``phase=local`` drills due now, into this group's gradients before Megatron takes its norm.
     Under ``--overlap-grad-reduce`` this runs during backward, the last moment before the
     collective; without it ``finalize_model_grads`` came first and has fired them already."""
@@ -130,8 +131,7 @@ def _inject(monitor: Any, group: Any) -> None:
     infos = _names(params)
     grads = []
     for param in params:
-        grad = getattr(param, "main_grad", None)
-        grad = grad if grad is not None else param.grad
+        grad = model_grad(param)
         if grad is not None and id(param) in infos:
             grads.append((infos[id(param)].name, infos[id(param)].order, grad))
     fired = monitor.injector.apply(monitor.upcoming_step(), "local", monitor.rank, grads, part=True)

@@ -26,9 +26,10 @@ from typing import Any, Optional
 
 import torch
 
-from . import locate
+from . import collectives, locate
 from .collectives import PeerLost, gather_to_zero
 from .inject import _corrupt
+from .protocols import Guard
 
 log = logging.getLogger("megatron_patches")
 
@@ -65,7 +66,7 @@ def _replace_first(value: Any, kind: str, factor: float) -> tuple[Any, bool]:
     return value, False
 
 
-def attach_drills(monitor: Any, model_chunks: list) -> int:
+def attach_drills(monitor: Guard, model_chunks: list) -> int:
     """Hook each ``phase=forward`` drill onto the modules its pattern names on this rank;
     returns how many modules were hooked. A pattern matching nothing here is fine (another
     pipeline stage may hold that module)."""
@@ -84,7 +85,7 @@ def attach_drills(monitor: Any, model_chunks: list) -> int:
     return hooked
 
 
-def _drill_hook(monitor: Any, index: int, spec: Any, name: str):
+def _drill_hook(monitor: Guard, index: int, spec: Any, name: str):
     def hook(module, args, output):
         if not monitor.injector.forward_due(index, monitor.upcoming_step(), monitor.rank, name):
             return None
@@ -140,7 +141,7 @@ def gather_origin(trace: ForwardTrace, timeout_s: float) -> Optional[dict]:
     """Every rank's first non-finite module, on rank 0: ``{"module", "layer", "ranks"}`` of the
     earliest pipeline stage's, else None (and None on the other ranks). Call on every rank."""
     mine = trace.first()
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    rank = collectives.rank()
     try:
         everyone = gather_to_zero({"rank": rank, "first": mine}, timeout_s)
     except PeerLost as error:

@@ -8,13 +8,17 @@ leave a truncated last line, which readers skip with a message.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from types import MappingProxyType
+from typing import Any, Mapping, Optional
+
+from .response import Decision, Severity
 
 log = logging.getLogger("megatron_patches")
 
@@ -23,7 +27,7 @@ HISTORY_SCHEMA = "megatron_patches.grad_history/1"
 INCIDENTS_FILE = "incidents.jsonl"
 HISTORY_FILE = "grad_history.jsonl"
 
-SEVERITIES = ("warning", "error", "critical")
+SEVERITIES = tuple(s.value for s in Severity)
 
 
 @dataclass
@@ -70,23 +74,25 @@ def make_record(
     ranks_affected: list[int],
     world: dict[str, int],
     first: Optional[ParamFinding] = None,
+    time: Optional[str] = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """Assemble one incident record; ``params`` are ordered nearest-the-output first.
     ``first``: where the fault entered when that is known apart from ``params`` (a rank's own
-    gradient before the data-parallel reduction); default the first of ``params``."""
+    gradient before the data-parallel reduction); default the first of ``params``. ``time``:
+    when it happened (default now)."""
     if severity not in SEVERITIES:
         raise ValueError(f"severity must be one of {SEVERITIES}, got {severity!r}")
     ordered = sorted(params, key=lambda p: (-p.order, p.ranks.get("global", 0)))
     as_dicts = [asdict(p) for p in ordered]
     record = {
         "schema": INCIDENT_SCHEMA,
-        "time": now_iso(),
+        "time": time or now_iso(),
         "step": step,
-        "severity": severity,
+        "severity": str(severity),
         "kind": kind,
         "kinds": kinds,
-        "action": action,
+        "action": str(action),
         "message": message,
         "first": asdict(first) if first is not None else as_dicts[0] if as_dicts else None,
         "params": as_dicts,
@@ -95,6 +101,92 @@ def make_record(
     }
     record.update(extra)
     return record
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the recovery executor made of an incident, merged into its record when published."""
+
+    replay: Optional[dict] = None
+    """The replay's verdict (deterministic or transient), when the step was replayed."""
+    blacklisted: tuple = ()
+    forward_origin: Optional[dict] = None
+    """Where the replayed forward pass first went non-finite (:mod:`~megatron_patches.forward_origin`)."""
+    rolled_back_to: Optional[int] = None
+    checkpoint: Optional[str] = None
+    lr_scale: Optional[float] = None
+    decision: Optional[Decision] = None
+    """Set when the executor had to change the decision (no healthy checkpoint: a critical stop)."""
+
+    def fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"replay": self.replay, "blacklisted": list(self.blacklisted)}
+        for name in ("rolled_back_to", "checkpoint", "lr_scale", "forward_origin"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        if self.decision is not None:
+            out.update(severity=str(self.decision.severity), action=str(self.decision.action),
+                       reason=self.decision.reason)
+        return out
+
+
+@dataclass(frozen=True)
+class Incident:
+    """One incident as rank 0 assembled it from every rank's findings: a value, never changed.
+    The JSON record is made from it once, when it is published (:meth:`record`)."""
+
+    step: int
+    decision: Decision
+    kind: str
+    kinds: tuple
+    message: str
+    params: tuple
+    """Every rank's :class:`ParamFinding` after the reduction."""
+    first: Optional[ParamFinding]
+    ranks_affected: tuple
+    world: Mapping[str, int]
+    total_norm: Optional[float]
+    batch: Optional[Mapping[str, Any]] = None
+    """Batch fields of the step (``samples``: every rank's dataset indices)."""
+    injected: Optional[tuple] = None
+    origin_ranks: Optional[tuple] = None
+    extra: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """Fields the detectors and the locate stage add (pre_reduction, replicas_reached, ...)."""
+    scene: Optional[str] = None
+    """The directory of the step's fault scenes, when they were captured."""
+    time: str = field(default_factory=now_iso)
+
+    @property
+    def first_name(self) -> Optional[str]:
+        """The parameter named first in the record (``record["first"]["name"]``)."""
+        if self.first is not None:
+            return self.first.name
+        ordered = sorted(self.params, key=lambda p: (-p.order, p.ranks.get("global", 0)))
+        return ordered[0].name if ordered else None
+
+    def record(self, outcome: Optional[Outcome] = None) -> dict[str, Any]:
+        """The JSON record (schema ``megatron_patches.incident/1``), a new dict on every call."""
+        record = make_record(
+            step=self.step, severity=self.decision.severity, kind=self.kind, kinds=list(self.kinds),
+            action=self.decision.action, message=self.message, params=list(self.params), first=self.first,
+            ranks_affected=list(self.ranks_affected), world=dict(self.world), time=self.time,
+            total_norm=self.total_norm, **self._optional(), reason=self.decision.reason,
+            **copy.deepcopy(dict(self.extra)))
+        if self.scene is not None:
+            record["scene"] = self.scene
+        if outcome is not None:
+            record.update(outcome.fields())
+        return record
+
+    def _optional(self) -> dict[str, Any]:
+        """batch, injected and origin_ranks, where known (a guard_error record has none)."""
+        out: dict[str, Any] = {}
+        if self.batch is not None:
+            out["batch"] = copy.deepcopy(dict(self.batch))
+        if self.injected is not None:
+            out["injected"] = copy.deepcopy(list(self.injected))
+        if self.origin_ranks is not None:
+            out["origin_ranks"] = list(self.origin_ranks)
+        return out
 
 
 class JsonlWriter:

@@ -226,7 +226,7 @@ class Injector:
             if spec.text in texts:
                 self._fired.update((index, s) for s in range(spec.step, spec.step + spec.count))
 
-    def spend_started(self, step: int) -> None:
+    def spend_started(self) -> None:
         """After a rollback: a fault that has begun is over (an event in time), so steps
         replayed or reached again do not fire it."""
         for index, spec in enumerate(self.specs):

@@ -19,6 +19,10 @@ Pseudocode of one incident, as the in-process executor runs it::
         blacklist(incident batches); disable(features); rollbacks += 1; ledger.save()
         continue from ckpt.step + 1
     if decision.action == stop: exit(EXIT_STOP or EXIT_CRITICAL)
+    monitor.resolve(outcome)                    # the incident's record, published once
+
+Both executors end the process through ``monitor.exit(decision)``, which takes the exit code from
+:func:`megatron_patches.response.exit_code`.
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ import json
 import logging
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Optional, Protocol
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Callable, Optional, Protocol
 
 from . import checkpoint
 from .errors import UserError
-from .response import EXIT_CRITICAL, EXIT_STOP
+from .incidents import Incident, Outcome
+from .protocols import Guard
+from .response import EXIT_CRITICAL, EXIT_ROLLBACK, Action, Decision, exit_code
 
 log = logging.getLogger("megatron_patches")
 
@@ -172,9 +178,13 @@ class TrainingLoop(Protocol):
 
 
 class InProcessRecovery:
-    """Acts on the monitor's decisions inside the training loop."""
+    """Acts on the monitor's decisions inside the training loop, one incident at a time, as the
+    small steps below: replay, blacklist, roll back (load healthy, scale the LR, disable features,
+    save the ledger), stop. Each step reads and returns the incident's :class:`Outcome`."""
 
-    def __init__(self, monitor: Any, loop: TrainingLoop):
+    in_process = True
+
+    def __init__(self, monitor: Guard, loop: TrainingLoop):
         self.monitor = monitor
         self.loop = loop
         self.config = monitor.config.recovery
@@ -192,31 +202,37 @@ class InProcessRecovery:
         if decision is None:
             return None
         self._episode_samples += batch_samples
-        verdict, reproduced, found = None, [], {}
+        outcome, reproduced = Outcome(), []
         if decision.replay:
-            replay, origin = self._traced_replay(step)
-            if origin is not None:
-                found["forward_origin"] = origin
-            first = (self.monitor.last_incident_first or {}).get("name")
-            if replay["flagged"]:
-                verdict = {"verdict": "deterministic",
-                           "same_parameter": replay["first"] == first, "first": replay["first"]}
-                reproduced = replay["bad_samples"] or batch_samples
-            else:
-                verdict = {"verdict": "transient", "suspected_ranks": decision.origins or
-                           self.monitor.last_incident_ranks}
-        blacklisted = sorted(set(reproduced))
-        if decision.action == "rollback":
+            outcome, reproduced = self._replay(step, decision, batch_samples)
+        if decision.action == Action.ROLLBACK:
+            blacklisted = set(reproduced)
             if self.config.blacklist == "always":
-                blacklisted = sorted(set(blacklisted) | set(self._episode_samples))
-            return self._rollback(step, decision, verdict, blacklisted, found)
-        if blacklisted:
-            self._add_blacklist(blacklisted)
+                blacklisted |= set(self._episode_samples)
+            return self._rollback(step, decision, replace(outcome, blacklisted=tuple(sorted(blacklisted))))
+        outcome = replace(outcome, blacklisted=tuple(sorted(set(reproduced))))
+        if outcome.blacklisted:
+            self._add_blacklist(list(outcome.blacklisted))
             self._save_ledger()
-        self.monitor.resolve(replay=verdict, blacklisted=blacklisted, **found)
-        if decision.action == "stop":
-            self.monitor.exit(EXIT_CRITICAL if decision.severity == "critical" else EXIT_STOP)
+        self.monitor.resolve(outcome)
+        if decision.action == Action.STOP:
+            self.monitor.exit(decision)
         return None
+
+    def _replay(self, step: int, decision: Decision, batch_samples: list) -> tuple[Outcome, list]:
+        """Replay ``step``: deterministic (the samples that reproduced it) or transient."""
+        replay, origin = self._traced_replay(step)
+        incident = self.monitor.last_incident
+        if replay["flagged"]:
+            first = incident.first_name if incident is not None else None
+            verdict = {"verdict": "deterministic", "same_parameter": replay["first"] == first,
+                       "first": replay["first"]}
+            reproduced = replay["bad_samples"] or batch_samples
+        else:
+            ranks = sorted(set(incident.ranks_affected)) if incident is not None else []
+            verdict = {"verdict": "transient", "suspected_ranks": list(decision.origins) or ranks}
+            reproduced = []
+        return Outcome(replay=verdict, forward_origin=origin), reproduced
 
     def _traced_replay(self, step: int) -> tuple[dict, Optional[dict]]:
         """Replay ``step`` with every module's output watched: the replay's verdict, and where
@@ -229,32 +245,28 @@ class InProcessRecovery:
             replay = self.loop.replay_step(step)
         return replay, forward_origin.gather_origin(trace, self.monitor.config.response.peer_timeout_s)
 
-    def _rollback(self, step: int, decision: Any, verdict: Optional[dict], blacklisted: list,
-                  found: Optional[dict] = None) -> int:
-        found = found or {}
+    def _rollback(self, step: int, decision: Decision, outcome: Outcome) -> int:
         target = checkpoint.newest_healthy(self.loop.checkpoint_root)
         if target is None:
-            self.monitor.resolve(replay=verdict, blacklisted=blacklisted, **found, severity="critical",
-                                 action="stop", reason=decision.reason + "; no healthy checkpoint to roll back to")
-            self.monitor.exit(EXIT_CRITICAL)
+            stop = decision.escalated("no healthy checkpoint to roll back to")
+            self.monitor.resolve(replace(outcome, decision=stop))
+            self.monitor.exit(stop)
         healthy_step, path = target
         resumed = self.loop.load_checkpoint(path)
-        for name in self.ledger.record_rollback(self.config, blacklisted):
+        for name in self.ledger.record_rollback(self.config, list(outcome.blacklisted)):
             self.loop.disable_feature(name)
         self.loop.set_blacklist(self.ledger.blacklist)
         self.loop.set_lr_scale(self.ledger.lr_scale)
         self.ledger.events.append({"step": step, "rolled_back_to": healthy_step, "lr_scale": self.ledger.lr_scale,
-                                   "blacklisted": len(blacklisted), "reason": decision.reason})
+                                   "blacklisted": len(outcome.blacklisted), "reason": decision.reason})
         self._save_ledger()
-        self.monitor.rollbacks = self.ledger.rollbacks
-        self.monitor.policy.reset()
-        self.monitor.injector.spend_started(step)
+        self.monitor.new_episode(self.ledger.rollbacks)
         self._episode_samples = []
-        self.monitor.resolve(replay=verdict, blacklisted=blacklisted, rolled_back_to=healthy_step,
-                             checkpoint=path, lr_scale=self.ledger.lr_scale, **found)
+        self.monitor.resolve(replace(outcome, rolled_back_to=healthy_step, checkpoint=path,
+                                     lr_scale=self.ledger.lr_scale))
         log.warning("rolled back from step %d to healthy checkpoint %s (step %d); lr scale %.3g; "
                     "%d samples blacklisted; rollback %d of %d", step, path, healthy_step, self.ledger.lr_scale,
-                    len(blacklisted), self.ledger.rollbacks, self.config.max_rollbacks)
+                    len(outcome.blacklisted), self.ledger.rollbacks, self.config.max_rollbacks)
         return resumed + 1
 
     def _add_blacklist(self, samples: list) -> None:
@@ -273,45 +285,61 @@ class InProcessRecovery:
                 log.warning("the ledger could not be written (%s): training goes on with it in memory, but "
                             "a restart would not know this rollback, its blacklist or LR scale", error)
 
+    def settle_exit(self, decision: Decision) -> Decision:
+        """Nothing to write before an exit: the ledger was saved at each rollback."""
+        return decision
+
 
 class ExitAndRestart:
     """For loops that cannot be re-entered (Megatron-LM's ``pretrain_gpt.py``): on a rollback
     decision rank 0 writes the ledger and every rank exits with ``EXIT_ROLLBACK``; the launcher
-    restarts the job, which loads the newest healthy checkpoint and applies the ledger."""
+    restarts the job, which loads the newest healthy checkpoint and applies the ledger. The one
+    writer of that ledger; ``request_fields`` (the integration's) adds to its rollback request."""
 
-    def __init__(self, monitor: Any, checkpoint_root: str):
+    in_process = False
+
+    def __init__(self, monitor: Guard, checkpoint_root: str,
+                 request_fields: Optional[Callable[[], dict]] = None):
         self.monitor = monitor
         self.checkpoint_root = checkpoint_root
         self.config = monitor.config.recovery
         self.ledger = Ledger.load(checkpoint_root)
+        self._request_fields = request_fields
         self._episode_samples: list = []
         monitor.rollbacks = self.ledger.rollbacks
         monitor.injector.spend(self.ledger.spent_injections)
         monitor.listeners.append(self._on_decision)
-        monitor.on_exit.append(self._on_exit)
+        monitor.executor = self
 
-    def _on_decision(self, decision: Any, record: dict) -> None:
-        if record:  # rank 0 holds the record, with every rank's samples
-            self._episode_samples += record.get("batch", {}).get("samples", [])
+    def _on_decision(self, decision: Decision, incident: Optional[Incident]) -> None:
+        if incident is not None and incident.batch is not None:  # rank 0, with every rank's samples
+            self._episode_samples += incident.batch.get("samples", [])
 
-    def _on_exit(self, code: int) -> Optional[int]:
+    def settle_exit(self, decision: Decision) -> Decision:
         """Rank 0 writes the ledger for the restart. Where it cannot, a restart would resume
         without knowing why (no LR scale, no blacklist, no count against the budget): rank 0
-        then exits with ``EXIT_CRITICAL`` instead, which no launcher takes for a rollback."""
-        from .response import EXIT_CRITICAL, EXIT_ROLLBACK
-
-        if code != EXIT_ROLLBACK or self.monitor.rank != 0:
-            return None
+        then stops critically instead, which no launcher takes for a rollback."""
+        if exit_code(decision) != EXIT_ROLLBACK or self.monitor.rank != 0:
+            return decision
         # The loop that reads the ledger at start-up switches the features off.
         self.ledger.record_rollback(self.config, self._episode_samples if self.config.blacklist == "always" else [])
-        self.ledger.rollback_requested = {"from_step": self.monitor.step}
+        fields = self._request_fields() if self._request_fields is not None else {}
+        self.ledger.rollback_requested = {"from_step": self.monitor.step, **fields}
         self.ledger.spent_injections = sorted(set(self.ledger.spent_injections) | set(self.monitor.injector.fired_specs()))
-        self.ledger.events.append({"step": self.monitor.step, "exit": code, "lr_scale": self.ledger.lr_scale,
-                                   "blacklisted": len(self._episode_samples)})
+        self.ledger.events.append({"step": self.monitor.step, "exit": EXIT_ROLLBACK, "lr_scale": self.ledger.lr_scale,
+                                   "blacklisted": len(self._episode_samples),
+                                   **({"skip_iterations": fields["skip_iterations"]} if "skip_iterations" in fields else {})})
         try:
             self.ledger.save(self.checkpoint_root)
         except OSError as error:
             log.error("the ledger could not be written (%s): a restart would not know this rollback; "
                       "stopping with %d instead of asking for one", error, EXIT_CRITICAL)
-            return EXIT_CRITICAL
-        return None
+            return decision.escalated("the ledger could not be written")
+        return decision
+
+    def resumed(self, event: dict) -> None:
+        """The restart resumed as the ledger asked: the request is done (rank 0 writes it)."""
+        self.ledger.rollback_requested = None
+        self.ledger.events.append(event)
+        if self.monitor.rank == 0:
+            self.ledger.save(self.checkpoint_root)

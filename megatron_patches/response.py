@@ -1,13 +1,15 @@
 """Graded response: warning (log, skip), error (save, roll back or stop), critical (stop all).
 
 Decided on rank 0 from what every rank reported, then broadcast, so all ranks act alike.
-Exit codes are part of the contract with launchers (``scripts/`` restarts on ROLLBACK).
+Exit codes are part of the contract with launchers (``scripts/`` restarts on ROLLBACK);
+:func:`exit_code` is the one place that maps a decision to one.
 """
 
 from __future__ import annotations
 
+import enum
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from .config import Config
@@ -26,19 +28,61 @@ the model: a launcher restarts it like any lost node (``scripts/restart_on_rollb
 not; torchrun's elastic agent with ``--max-restarts`` does)."""
 
 
-@dataclass
+class Severity(enum.StrEnum):
+    """How bad an incident is; members are listed in rising order, which is the one order."""
+
+    WARNING = "warning"
+    ERROR = "error"
+    CRITICAL = "critical"
+
+    @property
+    def rank(self) -> int:
+        return list(Severity).index(self)
+
+    def at_least(self, floor: str) -> bool:
+        return self.rank >= Severity(floor).rank
+
+
+class Action(enum.StrEnum):
+    """What every rank does about an incident (the record's ``action``)."""
+
+    SKIP_STEP = "skip_step"
+    """Leave the update out: the step's gradients are not applied."""
+    ZERO_GRADS = "zero_grads"
+    """A ``clip_grad_norm`` call without ``prepare_grads``: its gradients are zeroed."""
+    ROLLBACK = "rollback"
+    STOP = "stop"
+
+
+@dataclass(frozen=True)
 class Decision:
     """What every rank does about one incident (identical on all ranks)."""
 
-    severity: str
-    action: str
-    """skip_step | rollback | stop"""
+    severity: Severity
+    action: Action
     reason: str
     step: int
     replay: bool = False
     """Whether the loop should replay the step before acting."""
-    origins: list = field(default_factory=list)
+    origins: tuple = ()
     """Global ranks whose gradients were non-finite before the data-parallel reduction."""
+
+    @property
+    def ends_run(self) -> bool:
+        """Whether this process cannot go on training after it (stop or roll back)."""
+        return self.action in (Action.STOP, Action.ROLLBACK)
+
+    def escalated(self, reason: str) -> "Decision":
+        """The same incident as a critical stop, ``reason`` added to why."""
+        return Decision(Severity.CRITICAL, Action.STOP, f"{self.reason}; {reason}", self.step,
+                        origins=self.origins)
+
+
+def exit_code(decision: Decision) -> int:
+    """The process exit code that carries ``decision`` to the launcher."""
+    if decision.severity == Severity.CRITICAL:
+        return EXIT_CRITICAL
+    return EXIT_ROLLBACK if decision.action == Action.ROLLBACK else EXIT_STOP
 
 
 class GradePolicy:
@@ -52,7 +96,8 @@ class GradePolicy:
         self._last_step: Optional[int] = None
         self._consecutive = 0
 
-    def grade(self, step: int, origin_replicas: int, rollbacks_done: int, can_replay: bool) -> Decision:
+    def grade(self, step: int, origin_replicas: int, rollbacks_done: int, can_replay: bool,
+              origins: tuple = ()) -> Decision:
         window = self.response.recur_window
         self._recent.append(step)
         while self._recent and self._recent[0] <= step - window:
@@ -60,31 +105,24 @@ class GradePolicy:
         follows = self._last_step is not None and step - self._last_step <= self.check_interval
         self._consecutive = self._consecutive + 1 if follows else 1
         self._last_step = step
+        replay = can_replay and self.response.replay
 
         if origin_replicas >= self.response.critical_origins:
-            return Decision("critical", "stop", f"anomalies entered on {origin_replicas} data-parallel replicas "
-                            "at once", step)
+            return Decision(Severity.CRITICAL, Action.STOP, f"anomalies entered on {origin_replicas} "
+                            "data-parallel replicas at once", step, origins=origins)
         persistent = self._consecutive >= self.response.persist_steps
         recurring = len(self._recent) >= self.response.recur_count
         if not (persistent or recurring):
-            return Decision("warning", "skip_step", "single anomaly", step, replay=can_replay and self.response.replay)
+            return Decision(Severity.WARNING, Action.SKIP_STEP, "single anomaly", step, replay, origins)
         why = (f"anomaly on {self._consecutive} consecutive checked steps" if persistent
                else f"{len(self._recent)} incidents within {window} steps")
         if self.response.on_error == "rollback" and rollbacks_done >= self.recovery.max_rollbacks:
-            return Decision("critical", "stop", f"{why}; retry budget of {self.recovery.max_rollbacks} "
-                            "rollbacks spent", step)
-        return Decision("error", self.response.on_error, why, step, replay=can_replay and self.response.replay)
+            return Decision(Severity.CRITICAL, Action.STOP, f"{why}; retry budget of "
+                            f"{self.recovery.max_rollbacks} rollbacks spent", step, origins=origins)
+        return Decision(Severity.ERROR, Action(self.response.on_error), why, step, replay, origins)
 
     def reset(self) -> None:
         """After a rollback the episode is over: start counting afresh."""
         self._recent.clear()
         self._last_step = None
         self._consecutive = 0
-
-    def state_dict(self) -> dict:
-        return {"recent": list(self._recent), "last": self._last_step, "consecutive": self._consecutive}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._recent = deque(state.get("recent", []))
-        self._last_step = state.get("last")
-        self._consecutive = int(state.get("consecutive", 0))

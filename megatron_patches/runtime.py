@@ -51,6 +51,3 @@ def uninstall() -> None:
     patching.uninstall()
     hooks.set_monitor(None)
 
-
-def active_monitor() -> Optional[GradMonitor]:
-    return hooks.get_monitor()

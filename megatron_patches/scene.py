@@ -171,3 +171,43 @@ def _size(obj: Any) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(_size(v) for v in obj)
     return 64
+
+
+def capture(report_dir: str, ctx: Any, findings: list, batch: dict, optimizer: Any, meta: dict,
+            overflow_mode: str, rank: int, episode: int) -> tuple[str, dict]:
+    """This rank's scene of the check ``ctx`` as it is now: (path, payload) of CPU copies, nothing
+    shared with training. ``batch``: the record's batch fields with ``samples`` and ``tokens``
+    (this rank's micro-batch tensors, or None); ``meta``: the guard's step and rollbacks, to which
+    the optimizer's param groups and loss scale are added."""
+    from dataclasses import asdict
+
+    from . import locate
+    from .rng import rng_state
+
+    norms = ctx.norms.tolist() if ctx.norms is not None else []
+    tokens = batch.get("tokens")
+    payload = {
+        "step": ctx.step,
+        "ranks": locate.rank_info(),
+        "host": locate.host(),
+        "device": locate.device_name(),
+        "batch": {**batch, "tokens": [t.detach().cpu().clone() for t in tokens] if tokens else None},
+        "rng": rng_state(),
+        "grad_norms": {e.info.name: n for e, n in zip(ctx.entries, norms)},
+        "findings": [asdict(f) for f in findings],
+        "optimizer": _optimizer_meta(optimizer, meta),
+        "overflow_mode": overflow_mode,
+    }
+    # Each episode keeps its own scene: a step reached again after a rollback is another one.
+    return scene_dir(report_dir, ctx.step, rank, episode=episode), payload
+
+
+def _optimizer_meta(optimizer: Any, meta: dict) -> dict:
+    meta = dict(meta)
+    if optimizer is None:
+        return meta
+    meta["param_groups"] = [{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, str, bool, type(None)))}
+                            for g in optimizer.param_groups]
+    scale = optimizer.get_loss_scale() if hasattr(optimizer, "get_loss_scale") else None
+    meta["loss_scale"] = float(scale) if scale is not None else None
+    return meta

@@ -38,6 +38,7 @@ import torch
 
 from .collectives import collective_device
 from .optimizer_params import current_grads
+from .protocols import Guard
 
 
 @dataclass(frozen=True)
@@ -54,14 +55,14 @@ class CheckedNorm:
     """Their version counters at the check (bumped by every in-place change)."""
 
 
-def remember(monitor: Any, optimizer: Any, step: int, total_norm: float, entries: list, grads: list) -> None:
+def remember(monitor: Guard, optimizer: Any, step: int, total_norm: float, entries: list, grads: list) -> None:
     """Called by the monitor after each check (not a replay): ``total_norm`` is the world-wide
     norm of ``grads``, the gradients of ``entries`` that ``optimizer`` is about to clip."""
     monitor.checked_norm = CheckedNorm(weakref.ref(optimizer), step, total_norm, entries,
                                        tuple(weakref.ref(g) for g in grads), tuple(g._version for g in grads))
 
 
-def take(monitor: Any, optimizer: Any) -> Optional[Any]:
+def take(monitor: Guard, optimizer: Any) -> Optional[Any]:
     """The checked total norm for ``optimizer.get_grad_norm()``, in the type Megatron returns
     there; None when Megatron must compute it (see the module's conditions). One call per check."""
     checked, monitor.checked_norm = monitor.checked_norm, None

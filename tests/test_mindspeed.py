@@ -505,7 +505,7 @@ def _scenario(mindspeed_dir: str, kind: str, out: str) -> dict:
     MindSpeedPatchesManager.apply_patches()
     remove_training_standin()
 
-    from megatron_patches import runtime
+    from megatron_patches import hooks, runtime
     from megatron_patches.config import Config
 
 
@@ -558,7 +558,7 @@ def _scenario(mindspeed_dir: str, kind: str, out: str) -> dict:
         model.finish_grad_sync()
         if nan:
             next(p for p in model.parameters() if p.requires_grad).main_grad.view(-1)[0] = float("nan")
-        monitor = runtime.active_monitor()
+        monitor = hooks.get_monitor()
         skipped_before = monitor.counters["skipped_steps"]
         optimizer.step()
         after = bf16_bits(model)

@@ -304,12 +304,12 @@ def test_a_silent_peer_is_lost_after_peer_timeout_s(tmp_path):
 _FAIL_ON_RANK_ZERO = """
 import os
 if os.environ.get("RANK") == "0":
-    import megatron_patches.monitor as monitor
+    import megatron_patches.findings as findings
 
     def _describe(*args, **kwargs):
         raise KeyError("a bug in the guard, planted by the test")
 
-    monitor._describe = _describe
+    findings.describe = _describe
 """
 
 
@@ -422,15 +422,17 @@ def test_a_ledger_that_cannot_be_written_turns_a_rollback_exit_into_a_stop(tmp_p
     (the ledger's path is a directory), a restart would not know why: the exit becomes 86."""
     from megatron_patches.monitor import GradMonitor
     from megatron_patches.recovery import ExitAndRestart
-    from megatron_patches.response import EXIT_ROLLBACK
+    from megatron_patches.response import Action, Decision, Severity, exit_code
 
+    rollback = Decision(Severity.ERROR, Action.ROLLBACK, "anomaly on 2 consecutive checked steps", 4)
+    stop = Decision(Severity.ERROR, Action.STOP, "anomaly on 2 consecutive checked steps", 4)
     root = tmp_path / "checkpoints"
     root.mkdir()
     executor = ExitAndRestart(GradMonitor(Config()), str(root))
     (root / "megatron_patches_ledger.json").mkdir()  # now the write fails
-    assert executor._on_exit(EXIT_ROLLBACK) == EXIT_CRITICAL
+    assert exit_code(executor.settle_exit(rollback)) == EXIT_CRITICAL
     assert any("the ledger could not be written" in r.getMessage() for r in guard_log.records)
-    assert executor._on_exit(EXIT_STOP) is None  # only a rollback needs the ledger
+    assert executor.settle_exit(stop) is stop  # only a rollback needs the ledger
 
 
 def test_the_kill_drill_parses_strictly_and_fires_once():

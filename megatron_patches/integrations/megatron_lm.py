@@ -43,7 +43,8 @@ import torch
 
 from .. import checkpoint, hooks
 from . import mindspeed_llm
-from ..response import EXIT_CRITICAL, EXIT_ROLLBACK
+from ..protocols import Guard
+from ..response import EXIT_ROLLBACK, Action, Decision, Severity
 
 log = logging.getLogger("megatron_patches")
 
@@ -139,7 +140,7 @@ def _warn0(message: str, *args: Any) -> None:
 class MegatronLMSession:
     """What one Megatron-LM process needs between the wrapper calls."""
 
-    def __init__(self, monitor: Any):
+    def __init__(self, monitor: Guard):
         self.monitor = monitor
         self.root: Optional[str] = None
         self.restart: Optional[Any] = None
@@ -171,10 +172,9 @@ class MegatronLMSession:
             return
         from ..recovery import ExitAndRestart
 
-        self.restart = ExitAndRestart(self.monitor, self.root)
+        self.restart = ExitAndRestart(self.monitor, self.root, request_fields=self._rollback_fields)
         self.monitor.listeners.append(self._on_decision)
-        self.monitor.on_exit.insert(0, self._finalize_saves)  # before the ledger and the exit
-        self.monitor.on_exit.append(self._on_exit)  # after ExitAndRestart's: the ledger is written
+        self.monitor.before_exit.append(self._finalize_saves)  # before the ledger and the exit
         ledger = self.restart.ledger
         skips = skip_iterations(ledger)
         if skips:
@@ -234,7 +234,7 @@ class MegatronLMSession:
         if target is None:
             log.error("ledger %s asks for a rollback (from iteration %s) but no checkpoint there is "
                       "marked healthy; stopping", self.root, request.get("iteration", request.get("from_step")))
-            self.monitor.exit(EXIT_CRITICAL)
+            self._stop(f"ledger {self.root} asks for a rollback but no checkpoint there is marked healthy")
         if args.load is None or os.path.abspath(args.load) != os.path.abspath(self.root):
             _warn0("rollback: --load %s replaced by %s (where the healthy checkpoints are)",
                    args.load, self.root)
@@ -295,12 +295,10 @@ class MegatronLMSession:
                 if _rank() == 0:
                     log.error("rollback asked to resume from healthy checkpoint iteration %d, but "
                               "Megatron loaded iteration %s; stopping", self._resume_from, args.iteration)
-                self.monitor.exit(EXIT_CRITICAL)
-            ledger.rollback_requested = None
-            ledger.events.append({"resumed_from": int(args.iteration), "lr_scale": ledger.lr_scale,
+                self._stop(f"resumed from iteration {args.iteration}, not the healthy checkpoint "
+                           f"iteration {self._resume_from} the rollback asked for")
+            self.restart.resumed({"resumed_from": int(args.iteration), "lr_scale": ledger.lr_scale,
                                   "iterations_to_skip": list(args.iterations_to_skip or [])})
-            if _rank() == 0:
-                ledger.save(self.root)
             lr = optimizer.param_groups[0]["lr"] if optimizer.param_groups else None
             _warn0("resumed from healthy checkpoint iteration %s with lr %s", args.iteration, lr)
 
@@ -369,7 +367,11 @@ class MegatronLMSession:
                          f" ({fields['rerun']})" if fields.get("rerun") else "")
         self._pending_markers = []
 
-    def _finalize_saves(self, code: int) -> None:
+    def _stop(self, reason: str) -> None:
+        """A critical stop before training starts (every rank reads the same ledger)."""
+        self.monitor.exit(Decision(Severity.CRITICAL, Action.STOP, reason, self.monitor.step))
+
+    def _finalize_saves(self, decision: Any = None) -> None:
         """Before any exit of the guard: finish pending async saves (every rank takes part, as
         every rank reaches the exit from the same decision), then mark them."""
         from megatron.training import get_args
@@ -414,23 +416,18 @@ class MegatronLMSession:
         _warn0("guard state of iteration %d restored (detector baselines, counters) from %s",
                iteration, os.path.dirname(path))
 
-    def _on_decision(self, decision: Any, record: dict) -> None:
-        if decision.action != "continue":
-            self._episode_steps.append(int(decision.step))
+    def _on_decision(self, decision: Any, incident: Any) -> None:
+        self._episode_steps.append(int(decision.step))
 
-    def _on_exit(self, code: int) -> None:
-        if code != EXIT_ROLLBACK or _rank() != 0 or self.restart is None:
-            return
+    def _rollback_fields(self) -> dict:
+        """What the ledger's rollback request adds for Megatron-LM (rank 0, at a rollback exit):
+        the iteration, and the iterations a restart skips."""
         ledger = self.restart.ledger
         steps = sorted(set(self._episode_steps)) if self.monitor.config.recovery.blacklist == "always" else []
-        ledger.rollback_requested = {**(ledger.rollback_requested or {}), "iteration": self.monitor.step,
-                                     "skip_iterations": steps}
-        if ledger.events:
-            ledger.events[-1]["skip_iterations"] = steps
-        ledger.save(self.root)
         log.warning("ledger %s: rollback requested at iteration %d; a restart skips iterations %s "
                     "and scales the lr to %.3g of the original", ledger.path(self.root),
                     self.monitor.step, steps, ledger.lr_scale)
+        return {"iteration": self.monitor.step, "skip_iterations": steps}
 
 
 def _async_saves_finalized() -> bool:

@@ -100,7 +100,7 @@ class RunLog:
         """Close the guard (its lost writes go into ``result``) and TensorBoard; rank 0 writes
         ``<out>/result.json`` and prints the closing line."""
         if self.monitor is not None:
-            scenes = self.monitor._scenes  # close() lets go of it; its failures are counted while closing
+            scenes = self.monitor.publisher.scenes  # close() lets go of it; its failures are counted while closing
             self.monitor.close()
             result["lost_writes"] = lost_writes(self.monitor, scenes)
         if self.tensorboard is not None:
@@ -131,8 +131,8 @@ def lost_writes(monitor: Any, scenes: Any) -> dict[str, int]:
     """Records the guard could not write on this rank (its report files and fault scenes),
     by file; each loss was logged as a warning and training went on."""
     lost = {}
-    for writer in (monitor._incidents, monitor._history):
-        if writer is not None and writer.lost_writes:
+    for writer in monitor.publisher.writers():
+        if writer.lost_writes:
             lost[writer.path] = writer.lost_writes
     if scenes is not None and scenes.failed:
         lost[os.path.join(monitor.report_dir, "scenes")] = scenes.failed

@@ -1,0 +1,150 @@
+"""The check stage: one fused pass over the gradients, one small all-reduce, one host read.
+
+Each rank fills a float32 vector: counts of non-finite, too large and saturated gradients, the
+count of ranks that were an origin before the reduction, the total and per-layer sums of squares,
+then each detector's own slots. One all-reduce sums it over the job, so every rank reads the same
+numbers and reaches the same :class:`Verdict` without a further collective.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from . import hooks
+from .collectives import collective_device, prepare_bounded
+from .detectors import CheckContext
+from .locate import slot_names
+from .optimizer_params import Entry, build_entries, current_grads
+
+# Slots of the reduced vector ahead of the per-layer sums of squares. _ORIGINS counts the ranks
+# whose own gradients were non-finite before the data-parallel reduction: which ranks they were is
+# gathered on the slow path, so the vector's size does not grow with the world.
+_NONFINITE, _OVER_PARAM, _SATURATED, _TOTAL_SQ, _ORIGINS, _HEAD = 0, 1, 2, 3, 4, 5
+
+
+@dataclass
+class Verdict:
+    """One check's result, identical on every rank (the detectors' context is this rank's)."""
+
+    ctx: CheckContext
+    maxabs: Optional[torch.Tensor]
+    """Per-gradient largest magnitude on the device (saturation mode only)."""
+    total_over: bool
+    """The total norm is over ``magnitude.total_norm_max`` (and finite)."""
+    kinds: list
+    """What the detectors flagged."""
+    reduced: dict
+    """Each detector's world-wide slots, by name."""
+    layer_sq: list
+    """World-wide per-layer sums of squares (slot order, :func:`~megatron_patches.locate.slot_names`)."""
+    flagged: bool
+
+    @property
+    def layer_norms(self) -> dict[str, float]:
+        return dict(zip(slot_names(len(self.layer_sq)), self.ctx.layer_norms or []))
+
+
+class CheckStage:
+    """Builds and reduces the vector for the optimizers it is given; caches per optimizer."""
+
+    def __init__(self, config: Any, detectors: list):
+        self.config = config
+        self.detectors = detectors
+        self._detector_width = sum(d.width() for d in detectors)
+        self._entries: "weakref.WeakKeyDictionary[Any, list[Entry]]" = weakref.WeakKeyDictionary()
+        self._num_slots: dict[int, int] = {}
+        self._static: dict[tuple, tuple] = {}
+
+    def entries_for(self, optimizer: Any) -> list[Entry]:
+        entries = self._entries.get(optimizer)
+        if entries is None:
+            entries, self._num_slots[id(optimizer)] = build_entries(optimizer, hooks.model_chunks_for(optimizer) or [])
+            self._entries[optimizer] = entries
+        return entries
+
+    def first_optimizer(self) -> Optional[Any]:
+        """An optimizer checked so far (for the scene's optimizer metadata), or None."""
+        return next(iter(self._entries.keys()), None)
+
+    def run(self, optimizer: Any, entries: list[Entry], step: int, origin_flag: Optional[torch.Tensor],
+            saturation: bool) -> Verdict:
+        """Check ``optimizer``'s gradients of ``step`` on every rank; ``origin_flag``: this rank's
+        pre-reduction flag (:mod:`~megatron_patches.origin`)."""
+        ctx, maxabs, vec = self._local(optimizer, entries, step, origin_flag, saturation)
+        prepare_bounded(self.config.response.peer_timeout_s)  # once, while every rank is here
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(vec)  # every rank joins, stub optimizers included
+        values = vec.tolist()  # the one host read of a checked step
+        num_slots = self._num_slots[id(optimizer)]
+        ctx.total_norm = math.sqrt(values[_TOTAL_SQ]) if values[_TOTAL_SQ] >= 0 else float("nan")
+        layer_sq = values[_HEAD:_HEAD + num_slots]
+        ctx.layer_norms = [math.sqrt(v) if v >= 0 else float("nan") for v in layer_sq]
+        magnitude = self.config.detectors.magnitude
+        total_over = (magnitude.enabled and magnitude.total_norm_max is not None
+                      and not ctx.total_norm <= magnitude.total_norm_max and values[_NONFINITE] == 0)
+        kinds, reduced, offset = [], {}, _HEAD + num_slots
+        for detector in self.detectors:
+            width = detector.width()
+            reduced[detector.name] = values[offset:offset + width]
+            kinds += detector.verdict(ctx, reduced[detector.name])
+            offset += width
+        # A rank whose own gradients were non-finite before the reduction flags the step even where
+        # the reduced gradients escape this check (Megatron's bucket check was left to us).
+        flagged = bool(values[_NONFINITE] or values[_OVER_PARAM] or values[_SATURATED] or total_over
+                       or kinds or values[_ORIGINS])
+        return Verdict(ctx, maxabs, total_over, kinds, reduced, layer_sq, flagged)
+
+    def commit(self, verdict: Verdict, accepted: bool) -> None:
+        """Tell the detectors whether the step's gradients were applied (their baselines move)."""
+        for detector in self.detectors:
+            detector.commit(verdict.ctx, accepted=accepted)
+
+    def _static_tensors(self, optimizer: Any, live: list[Entry], device: torch.device):
+        key = (id(optimizer), len(live), device)
+        cached = self._static.get(key)
+        if cached is None:
+            weights = torch.tensor([e.weight for e in live], dtype=torch.float32, device=device)
+            slots = torch.tensor([e.slot for e in live], dtype=torch.long, device=device)
+            limits = torch.tensor([torch.finfo(e.model.dtype).max if e.model.dtype.is_floating_point else math.inf
+                                   for e in live], dtype=torch.float32, device=device)
+            cached = self._static[key] = (weights, slots, limits)
+        return cached
+
+    def _local(self, optimizer: Any, entries: list[Entry], step: int, origin_flag: Optional[torch.Tensor],
+               saturation: bool):
+        """Per-parameter norms on the device and this rank's vector to all-reduce."""
+        pairs = [(e, g) for e, g in current_grads(optimizer, entries) if g is not None and g.numel() > 0]
+        live = [e for e, _ in pairs]
+        grads = [g for _, g in pairs]
+        device = grads[0].device if grads else collective_device()
+        num_slots = self._num_slots[id(optimizer)]
+        vec = torch.zeros(_HEAD + num_slots + self._detector_width, dtype=torch.float32, device=device)
+        if origin_flag is not None:
+            vec[_ORIGINS] = origin_flag.to(device)
+        ctx = CheckContext(step=step, entries=live, grads=grads, norms=None, device=device)
+        maxabs = None
+        if grads:
+            weights, slots, limits = self._static_tensors(optimizer, live, device)
+            norms = ctx.norms = torch.stack(torch._foreach_norm(grads)).float()
+            detectors = self.config.detectors
+            if detectors.nonfinite.enabled:
+                vec[_NONFINITE] = (~torch.isfinite(norms)).sum()
+            if detectors.magnitude.enabled and detectors.magnitude.param_norm_max is not None:
+                vec[_OVER_PARAM] = (norms > detectors.magnitude.param_norm_max).sum()
+            if saturation:
+                maxabs = torch.stack(torch._foreach_norm(grads, float("inf"))).float()
+                vec[_SATURATED] = (maxabs >= limits).sum()
+            squares = norms.square() * weights
+            vec[_TOTAL_SQ] = squares.sum()
+            vec[_HEAD:_HEAD + num_slots].index_add_(0, slots, squares)
+        offset = _HEAD + num_slots
+        for detector in self.detectors:
+            width = detector.width()
+            detector.local(ctx, vec[offset:offset + width])
+            offset += width
+        return ctx, maxabs, vec

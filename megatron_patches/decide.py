@@ -1,0 +1,106 @@
+"""The respond stage: every rank's findings to rank 0, which grades the incident and assembles
+it, then the :class:`~megatron_patches.response.Decision` back to every rank.
+
+Both collectives are bounded (``response.peer_timeout_s``): a peer lost between them raises
+:class:`~megatron_patches.collectives.PeerLost` on the ranks still alive, and
+:func:`exit_peer_lost` ends them. Nothing may escape on rank 0 between the gather and the
+broadcast (the other ranks wait in the broadcast): a failure there becomes a critical stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Callable, Optional
+
+from . import locate
+from .check import Verdict
+from .collectives import broadcast_from_zero, gather_to_zero
+from .findings import assemble, first_name, local_findings, origins_of
+from .incidents import Incident, finite_or_none
+from .response import EXIT_PEER_LOST, Action, Decision, GradePolicy, Severity
+
+log = logging.getLogger("megatron_patches")
+
+
+class Responder:
+    """Rank 0's grading (:class:`GradePolicy`) and the collectives around it."""
+
+    def __init__(self, config: Any, detectors: list):
+        self.config = config
+        self.detectors = detectors
+        self.policy = GradePolicy(config)
+
+    def agree(self, verdict: Verdict, action: Action, part: dict, batch_info: dict, rollbacks: int,
+              can_replay: bool) -> tuple[Decision, Optional[Incident]]:
+        """Call on every rank with this rank's ``part`` (findings, batch, ranks, pre_reduction,
+        origin, checked, injected). Returns the decision everywhere and the incident on rank 0."""
+        ctx, timeout = verdict.ctx, self.config.response.peer_timeout_s
+        decision, incident = None, None
+        everyone = gather_to_zero(part, timeout)
+        if everyone:  # rank 0
+            try:
+                decision, incident = self._decide(verdict, everyone, action, batch_info, rollbacks, can_replay)
+            except Exception as error:
+                log.exception("step %d: the guard failed while deciding on an incident", ctx.step)
+                decision = Decision(Severity.CRITICAL, Action.STOP, "the guard failed while deciding on "
+                                    f"this incident ({type(error).__name__}: {error}); stopped rather "
+                                    "than apply gradients nobody judged", ctx.step)
+                incident = _fallback_incident(verdict, decision)
+        return broadcast_from_zero(decision, timeout), incident
+
+    def _decide(self, verdict: Verdict, everyone: list, action: Action, batch_info: dict, rollbacks: int,
+                can_replay: bool) -> tuple[Decision, Incident]:
+        """Rank 0: grade the incident from every rank's findings and assemble it."""
+        ctx = verdict.ctx
+        origins, replicas = origins_of(everyone)
+        if action == Action.SKIP_STEP:
+            decision = self.policy.grade(ctx.step, replicas, rollbacks, can_replay, origins=tuple(origins))
+        else:  # direct clip_grad_norm callers: nothing to skip, gradients are zeroed
+            decision = Decision(Severity.WARNING, action, "checked in clip_grad_norm", ctx.step, origins=tuple(origins))
+        extra: dict[str, Any] = {}
+        for detector in self.detectors:
+            extra.update(detector.extra(ctx, verdict.reduced[detector.name]))
+        incident = assemble(ctx, everyone, verdict.kinds, extra, decision, batch_info)
+        log.warning("step %d: %s: %s -> %s (%s)", ctx.step, decision.severity, incident.message,
+                    decision.action, decision.reason)
+        return decision, incident
+
+
+    def replay_verdict(self, verdict: Verdict) -> dict:
+        """A replay's check: ``{"flagged", "first"}`` on every rank, ``first`` the parameter nearest
+        the output among every rank's findings (no incident, no grading)."""
+        timeout, first = self.config.response.peer_timeout_s, None
+        if verdict.flagged:
+            mine = local_findings(self.config, self.detectors, verdict.ctx, verdict.maxabs, verdict.total_over)
+            first = first_name([f for part in gather_to_zero(mine, timeout) for f in part])
+        return broadcast_from_zero({"flagged": verdict.flagged, "first": first}, timeout)
+
+
+def _fallback_incident(verdict: Verdict, decision: Decision) -> Optional[Incident]:
+    """The incident the guard failed to assemble: what is known for sure."""
+    try:
+        return Incident(step=decision.step, decision=decision, kind="guard_error", kinds=("guard_error",),
+                        message=decision.reason, params=(), first=None, ranks_affected=(),
+                        world=locate.world_layout(), total_norm=finite_or_none(verdict.ctx.total_norm))
+    except Exception:
+        log.exception("step %d: no record could be made of this incident", decision.step)
+        return None
+
+
+def exit_peer_lost(step: int, error: Exception, timeout_s: float, close: Callable[[], None]) -> None:
+    """A peer died or went silent during an incident's decision: nothing can be agreed on any
+    more. Flush what this rank holds (``close``), then end the process at once: a barrier,
+    Megatron's teardown or an exit callback would wait for the lost peer (under nccl up to the
+    process group's timeout), so none of them runs."""
+    log.error("step %d: a peer was lost while the ranks agreed on an incident (%s); exiting with code %d "
+              "within response.peer_timeout_s=%gs; restart the job (nothing was decided, no ledger written)",
+              step, error, EXIT_PEER_LOST, timeout_s)
+    try:
+        close()
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_PEER_LOST)

@@ -1,0 +1,145 @@
+"""The locate stage: which parameters, on which ranks, tripped a check, and the
+:class:`~megatron_patches.incidents.Incident` rank 0 assembles from every rank's findings.
+
+Runs on the slow path only (a checked step flagged something): each rank looks inside its own
+offending gradients (:func:`local_findings`), the parts are gathered to rank 0, which names where
+the fault entered and builds the incident once (:func:`assemble`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from types import MappingProxyType
+from typing import Any, Optional
+
+import torch
+
+from . import locate
+from .detectors import CheckContext
+from .incidents import Incident, ParamFinding, finite_or_none
+from .response import Decision
+
+_BUILT_IN_KINDS = ("nan", "inf", "overflow", "magnitude")
+
+
+def _picked(config: Any, detectors: list, ctx: CheckContext, norm_list: list, max_list: Optional[list],
+            total_over: bool) -> dict[int, list[str]]:
+    """{index into ctx.entries: reasons} of this rank's parameters that tripped a check."""
+    limit = config.detectors.magnitude.param_norm_max
+    picked: dict[int, list[str]] = {}
+    for i, (entry, norm) in enumerate(zip(ctx.entries, norm_list)):
+        if not math.isfinite(norm):
+            picked.setdefault(i, []).append("nonfinite")
+        if limit is not None and math.isfinite(norm) and norm > limit:
+            picked.setdefault(i, []).append("magnitude")
+        if max_list is not None and max_list[i] >= torch.finfo(entry.model.dtype).max:
+            picked.setdefault(i, []).append("overflow")
+    for detector in detectors:
+        for i, reasons in detector.suspects(ctx, norm_list).items():
+            picked.setdefault(i, []).extend(reasons)
+    if total_over and not picked and norm_list:
+        picked[max(range(len(norm_list)), key=lambda i: norm_list[i])] = ["magnitude_total"]
+    return picked
+
+
+def local_findings(config: Any, detectors: list, ctx: CheckContext, maxabs: Optional[torch.Tensor],
+                   total_over: bool) -> list[ParamFinding]:
+    """This rank's parameters whose gradients tripped a check, counted element by element. A
+    rank without gradients still asks every detector for suspects: that is the slow path's
+    collective phase (detectors/__init__.py), and its peers wait for it there."""
+    if ctx.norms is None:
+        for detector in detectors:
+            detector.suspects(ctx, [])
+        return []
+    norm_list = ctx.norms.tolist()
+    max_list = maxabs.tolist() if maxabs is not None else None
+    ranks, host, device = locate.rank_info(), locate.host(), locate.device_name()
+    findings = []
+    for i, reasons in sorted(_picked(config, detectors, ctx, norm_list, max_list, total_over).items()):
+        entry, grad = ctx.entries[i], ctx.grads[i]
+        nan = int(torch.isnan(grad).sum())
+        inf = int(torch.isinf(grad).sum())
+        overflow = 0
+        if "overflow" in reasons:
+            overflow = int((grad.abs() >= torch.finfo(entry.model.dtype).max).sum())
+        if "nonfinite" in reasons:
+            reasons = [r for r in reasons if r != "nonfinite"] + (["nan"] if nan else []) + (["inf"] if inf else [])
+        findings.append(ParamFinding(
+            name=entry.info.name, layer=entry.info.layer, shape=list(entry.model.shape),
+            nan=nan, inf=inf, overflow=overflow, norm=finite_or_none(norm_list[i]), ranks=ranks,
+            host=host, device=device, order=entry.info.order, shard=entry.shard, reasons=reasons))
+    return findings
+
+
+def first_name(findings: list[ParamFinding]) -> Optional[str]:
+    """The finding nearest the output (where backward met the fault first)."""
+    return max(findings, key=lambda f: f.order).name if findings else None
+
+
+def origins_of(everyone: list) -> tuple[list[int], int]:
+    """(global ranks whose own gradients were non-finite before the reduction, how many
+    data-parallel replicas they are) from every rank's gathered part."""
+    origins = sorted(part["ranks"]["global"] for part in everyone if part["origin"])
+    dp_of = {part["ranks"]["global"]: part["ranks"]["dp"] for part in everyone}
+    return origins, len({dp_of.get(r, r) for r in origins})
+
+
+def describe(kind: str, findings: list[ParamFinding], total_norm: float,
+             origin: Optional[ParamFinding] = None) -> str:
+    """The summary line; ``origin`` (a rank's own finding before the reduction) leads when known."""
+    what = f"{kind} gradient" if kind in _BUILT_IN_KINDS else kind
+    if origin is not None:
+        head = (f"{what} first at {origin.name} (layer {origin.layer}, rank {origin.ranks['global']}, "
+                f"host {origin.host} {origin.device})")
+        if not findings:
+            return head
+        return f"{head}; after it {len({f.name for f in findings})} parameter(s) on rank(s) " \
+               f"{sorted({f.ranks['global'] for f in findings})}"
+    if not findings:
+        return f"{kind} in gradients (total norm {total_norm:.4g})"
+    first = max(findings, key=lambda f: f.order)
+    ranks = sorted({f.ranks["global"] for f in findings})
+    return (f"{what} first at {first.name} (layer {first.layer}, rank {first.ranks['global']}); "
+            f"{len({f.name for f in findings})} parameter(s) on rank(s) {ranks}")
+
+
+def assemble(ctx: CheckContext, everyone: list, kinds: list, extra: dict, decision: Decision,
+             batch_info: dict) -> Incident:
+    """Rank 0: the incident from every rank's gathered part and the decision on it. ``extra``:
+    the fields the detectors add to the record."""
+    found = [f for part in everyone for f in part["findings"]]
+    before = [f for part in everyone for f in part["pre_reduction"]]
+    reasons = {r for f in found + before for r in f.reasons}
+    found_kinds = [k for k in _BUILT_IN_KINDS if k in reasons or (k == "magnitude" and "magnitude_total" in reasons)]
+    found_kinds += [k for k in kinds if k not in found_kinds]
+    kind = found_kinds[0] if found_kinds else "magnitude"
+    extra = dict(extra)
+    # The origin leads: a fault that entered a rank's own gradient before the reduction is
+    # named there (host and device of that rank), not where the reduction carried it.
+    origin = max(before, key=lambda f: f.order) if before else None
+    message = describe(kind, found, ctx.total_norm, origin=origin)
+    if before:
+        extra["pre_reduction"] = [asdict(f) for f in before]
+    checked = sum(part["checked"] for part in everyone)
+    if checked and sum(1 for f in found if f.nan or f.inf) >= checked:
+        # Backward spreads a broken forward pass to every gradient; the tensor nearest the
+        # output comes first in backward order, but it is where the fault arrived last.
+        extra["all_gradients_nonfinite"] = True
+        message += ("; every gradient is non-finite: the loss or an activation went non-finite in the "
+                    "forward pass, so the output layer named first is not the suspect")
+    if decision.origins:
+        dp_of = {part["ranks"]["global"]: part["ranks"]["dp"] for part in everyone}
+        reached = {dp_of.get(f.ranks["global"], f.ranks["global"]) for f in found + before}
+        reached |= {dp_of.get(r, r) for r in decision.origins}
+        world = locate.world_layout()
+        extra["replicas_reached"] = len(reached)
+        message += (f"; entered on rank(s) {list(decision.origins)} before the data-parallel reduction, "
+                    f"reached {len(reached)} of {world['dp'] * world['cp']} data-parallel replica(s)")
+    return Incident(
+        step=ctx.step, decision=decision, kind=kind, kinds=tuple(found_kinds), message=message,
+        params=tuple(found), first=origin, ranks_affected=tuple(f.ranks["global"] for f in found),
+        world=locate.world_layout(), total_norm=finite_or_none(ctx.total_norm),
+        batch=MappingProxyType({**batch_info, "samples": sorted({i for part in everyone for i in part["batch"]})}),
+        injected=tuple(e for part in everyone for e in part["injected"]),
+        origin_ranks=tuple(decision.origins), extra=MappingProxyType(extra))

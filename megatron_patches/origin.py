@@ -1,0 +1,123 @@
+"""Where a fault entered: each rank's own gradients before the data-parallel reduction.
+
+A non-finite gradient on one card is summed into every replica by the reduction, so after it
+every rank sees the fault. Before it, a flag per rank (one fused norm pass, or Megatron's own
+per-bucket norms where :mod:`~megatron_patches.bucket_check` runs) says which ranks it came from.
+The flags ride on the check's all-reduce as a count; which ranks they were, and the parameters
+they name, are gathered on the slow path only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from . import locate
+from .collectives import collective_device
+from .incidents import ParamFinding
+from .optimizer_params import model_grad
+
+
+def named_grads(chunks: list) -> list[tuple[str, int, torch.Tensor]]:
+    """(global name, forward order, gradient) of every parameter of ``chunks`` holding one."""
+    infos = locate.name_parameters(chunks)
+    return [(infos[id(p)].name, infos[id(p)].order, g) for chunk in chunks for p in chunk.parameters()
+            if (g := model_grad(p)) is not None and id(p) in infos]
+
+
+@dataclass
+class PreReduction:
+    """What one rank knew about its own gradients before the reduction of one step."""
+
+    flag: Optional[torch.Tensor] = None
+    """1.0 on the device when this rank's own gradients held NaN/Inf; None when not checked."""
+    norms: Optional[tuple] = None
+    """(chunks, params, device norms) of the fused pass, read only when the flag is up."""
+    findings: list = field(default_factory=list)
+    """Parameters Megatron's bucket check found non-finite here (:meth:`OriginWatch.note`)."""
+
+    def is_origin(self) -> bool:
+        """Reading the flag costs nothing on a quiet step: it is read on the slow path only."""
+        return self.flag is not None and bool(self.flag.item() > 0)
+
+    def named(self) -> list[ParamFinding]:
+        """This rank's own faulty gradients: the bucket check's, else from the fused norms."""
+        return self.findings or _norm_findings(self.norms)
+
+
+class OriginWatch:
+    """Collects one step's :class:`PreReduction` on this rank until the check takes it."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._pending = PreReduction()
+        self._bucket_checks = False
+        self._replica_count: Optional[int] = None
+
+    def before_reduction(self, chunks: list) -> None:
+        """At a checked step's reduction: raise the flag from one fused pass over the gradients.
+        With one replica there is nowhere else a fault could have entered: no extra read. Where
+        Megatron's bucket check runs, the flag comes from its norms (:meth:`note`)."""
+        if self.enabled and self.replicas() > 1 and not self._bucket_checks:
+            self._pending.flag, self._pending.norms = _local_origin_norms(chunks)
+
+    def note_bucket_check(self) -> None:
+        self._bucket_checks = True
+
+    def note(self, findings: list[ParamFinding]) -> None:
+        """Megatron's bucket check found this rank's own gradients non-finite."""
+        self._pending.findings += findings
+        self._pending.flag = torch.ones((), dtype=torch.float32)  # costs no read: always kept
+
+    def take(self) -> PreReduction:
+        taken, self._pending = self._pending, PreReduction()
+        return taken
+
+    def replicas(self) -> int:
+        """Data-parallel replicas (context parallel included); fixed for the run."""
+        if self._replica_count is None:
+            layout = locate.world_layout()
+            self._replica_count = layout["dp"] * layout["cp"]
+        return self._replica_count
+
+
+def _local_origin_norms(chunks: list) -> tuple[torch.Tensor, Optional[tuple]]:
+    """The origin flag from one fused pass over the per-parameter gradients, and the norms,
+    kept on the device: read only on the slow path, when this rank is an origin, to name them."""
+    params, grads = [], []
+    for chunk in chunks:
+        for param in chunk.parameters():
+            grad = model_grad(param)
+            if grad is not None and grad.numel() > 0:
+                params.append(param)
+                grads.append(grad)
+    if not grads:
+        return torch.zeros((), device=collective_device()), None
+    norms = torch.stack(torch._foreach_norm(grads)).float()
+    return (~torch.isfinite(norms)).any().float(), (chunks, params, norms)
+
+
+def _norm_findings(origin_norms: Optional[tuple]) -> list[ParamFinding]:
+    """This rank's parameters whose own gradient was non-finite before the reduction. NaN/Inf
+    counts are those of the local gradient's norm only (the gradient itself was reduced since):
+    1 marks which one it was."""
+    if origin_norms is None:
+        return []
+    chunks, params, norms = origin_norms
+    infos = locate.name_parameters(chunks)
+    ranks, host, device = locate.rank_info(), locate.host(), locate.device_name()
+    findings = []
+    for param, norm in zip(params, norms.tolist()):
+        if math.isfinite(norm):
+            continue
+        info = infos.get(id(param))
+        reason = "nan" if norm != norm else "inf"
+        findings.append(ParamFinding(
+            name=info.name if info else f"<unnamed {tuple(param.shape)}>", layer=info.layer if info else None,
+            shape=list(param.shape), nan=int(reason == "nan"), inf=int(reason == "inf"), overflow=0, norm=None,
+            ranks=ranks, host=host, device=device, order=info.order if info else -1,
+            reasons=[reason, "pre_reduction"]))
+    return findings
