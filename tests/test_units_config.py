@@ -1,5 +1,5 @@
 """The configuration's refusals without training: unknown keys, wrong types, each bound, webhook
-URLs kept out of messages, and config files that are not YAML mappings (config.py)."""
+URLs kept out of messages, and config files that are not YAML mappings (config.py, config_load.py)."""
 
 import dataclasses
 
