@@ -113,15 +113,15 @@ def test_torch_fsdp2_dtensor_parameters_are_refused():
 
 def test_megatrons_rerun_checkpoint_is_told_apart_from_an_ordinary_save():
     rsm = pytest.importorskip("megatron.core.rerun_state_machine")
-    from megatron_patches.integrations import megatron_lm
+    from megatron_patches.integrations import megatron_lm_checkpoints
 
     machine = rsm.get_rerun_state_machine()
     before = machine.state
     try:
         machine.state = rsm.RerunState.NOT_RUNNING_YET
-        assert megatron_lm._rerun_checkpoint() is None
+        assert megatron_lm_checkpoints._rerun_checkpoint() is None
         machine.state = rsm.RerunState.WILL_RERUN_FROM_CHECKPOINT
-        assert "WILL_RERUN_FROM_CHECKPOINT" in megatron_lm._rerun_checkpoint()
+        assert "WILL_RERUN_FROM_CHECKPOINT" in megatron_lm_checkpoints._rerun_checkpoint()
     finally:
         machine.state = before
 

@@ -1,0 +1,198 @@
+"""Rollback by exit and restart for Megatron-LM: the ledger read into Megatron's args at start-up,
+checked after the load, and written (through :class:`~megatron_patches.recovery.ExitAndRestart`)
+at a rollback exit.
+
+At start-up, before the checkpoint load, the ledger next to ``--save`` decides:
+
+- ``args.iterations_to_skip`` += the iterations earlier rollbacks asked to skip;
+- the learning rate (``args.lr``/``min_lr``/``lr_warmup_init``, with
+  ``--override-opt_param-scheduler`` semantics) scaled by the ledger's ``lr_scale``; each param
+  group's ``max_lr``/``min_lr`` only after the load, as the optimizer finds its saved groups by
+  those values (0.19+);
+- on a rollback request, ``--load``/``--ckpt-step`` = the newest healthy checkpoint.
+
+After the load (first ``train_step``) the scaled group bounds go back on, the loaded iteration is
+checked against the request, and the request is cleared. A request that cannot be met (no healthy
+checkpoint, another iteration loaded) stops every rank critically.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+from .. import collectives
+from ..protocols import Guard
+from ..response import Action, Decision, Severity
+from .megatron_lm_checkpoints import newest_healthy_iteration, read_tracker, saved_lr_scale, warn0
+
+log = logging.getLogger("megatron_patches")
+
+
+def to_iterations_to_skip(logged: list, core_version: tuple) -> list:
+    """Megatron's ``iterations_to_skip`` entries for iterations numbered as Megatron logs them:
+    up to core 0.16 the loop tests the 0-based index (``iteration in ...``), from 0.17 on the
+    logged number (``iteration + 1 in ...``)."""
+    shift = 0 if core_version >= (0, 17) else 1
+    return [int(i) - shift for i in logged]
+
+
+def skip_iterations(ledger: Any) -> list:
+    """Every iteration (as logged) a rollback of this job asked to skip, from the ledger's events."""
+    return sorted({int(i) for event in ledger.events for i in event.get("skip_iterations", [])})
+
+
+def core_version() -> tuple:
+    """megatron-core's (major, minor)."""
+    from megatron.core import package_info
+
+    return tuple(int(x) for x in package_info.__version__.split(".")[:2])
+
+
+class Rollback:
+    """The ledger's side of one Megatron-LM process. Attaches
+    :class:`~megatron_patches.recovery.ExitAndRestart` (the ledger's one writer) to the monitor."""
+
+    def __init__(self, monitor: Guard, root: str):
+        from ..recovery import ExitAndRestart
+
+        self.monitor = monitor
+        self.root = root
+        self._episode_steps: list = []
+        self._lr_bounds: dict = {}
+        self._resume_from: Optional[int] = None
+        self._non_persistent_type: Optional[str] = None
+        self.restart = ExitAndRestart(monitor, root, request_fields=self._request_fields)
+        monitor.listeners.append(self._on_decision)
+
+    @property
+    def lr_scale(self) -> float:
+        return self.restart.ledger.lr_scale
+
+    # -- before the checkpoint load ------------------------------------------------------------
+
+    def before_load(self, args: Any, optimizer: Any) -> None:
+        """Megatron's args and the optimizer as the ledger asks, before the checkpoint load."""
+        ledger = self.restart.ledger
+        skips = skip_iterations(ledger)
+        if skips:
+            entries = to_iterations_to_skip(skips, core_version())
+            args.iterations_to_skip = sorted(set(args.iterations_to_skip or []) | set(entries))
+            warn0("ledger %s: skipping iterations %s (args.iterations_to_skip=%s)",
+                  self.root, skips, args.iterations_to_skip)
+        if ledger.lr_scale != 1.0:
+            self._scale_lr(args, optimizer, ledger.lr_scale)
+        if ledger.rollback_requested:
+            self._load_newest_healthy(args, ledger.rollback_requested)
+        self._match_saved_groups(args, optimizer)
+
+    def _match_saved_groups(self, args: Any, optimizer: Any) -> None:
+        """Give each param group the max_lr/min_lr the checkpoint about to be loaded was saved
+        with: from 0.19 on, the optimizer finds each saved group by those values, among others.
+        The ledger's scale goes onto the groups after the load (first train_step)."""
+        if not args.load:
+            return
+        iteration = args.ckpt_step if getattr(args, "ckpt_step", None) is not None else read_tracker(args.load)
+        scale = saved_lr_scale(args.load, iteration) if iteration else 1.0
+        if scale == 1.0:
+            return
+        for group in optimizer.param_groups:
+            for key in ("max_lr", "min_lr"):
+                if group.get(key) is not None:
+                    group[key] *= scale
+
+    def _scale_lr(self, args: Any, optimizer: Any, scale: float) -> None:
+        for name in ("lr", "min_lr", "lr_warmup_init"):
+            if getattr(args, name, None):
+                setattr(args, name, getattr(args, name) * scale)
+        if getattr(args, "use_checkpoint_opt_param_scheduler", False):
+            warn0("--use-checkpoint-opt_param-scheduler is replaced by --override-opt_param-"
+                  "scheduler: the ledger's lr scale %.3g must win over the checkpoint", scale)
+            args.use_checkpoint_opt_param_scheduler = False
+        args.override_opt_param_scheduler = True
+        # The groups themselves are changed only after the checkpoint load (first train_step):
+        # from 0.19 on, the optimizer finds each saved group by its max_lr/min_lr, among others.
+        for group in optimizer.param_groups:
+            self._lr_bounds[_group_key(group)] = tuple(
+                None if group.get(key) is None else group[key] * scale for key in ("max_lr", "min_lr"))
+        warn0("ledger %s: learning rate scaled by %.3g (lr %.4g, min_lr %.4g; "
+              "override_opt_param_scheduler on)", self.root, scale, args.lr, args.min_lr)
+
+    def _load_newest_healthy(self, args: Any, request: dict) -> None:
+        target = newest_healthy_iteration(self.root)
+        if target is None:
+            log.error("ledger %s asks for a rollback (from iteration %s) but no checkpoint there is "
+                      "marked healthy; stopping", self.root, request.get("iteration", request.get("from_step")))
+            self._stop(f"ledger {self.root} asks for a rollback but no checkpoint there is marked healthy")
+        if args.load is None or os.path.abspath(args.load) != os.path.abspath(self.root):
+            warn0("rollback: --load %s replaced by %s (where the healthy checkpoints are)",
+                  args.load, self.root)
+            args.load = self.root
+        args.ckpt_step = target
+        self._resume_from = target
+        if getattr(args, "non_persistent_ckpt_type", None):
+            # Megatron loads a newer non-persistent checkpoint in preference to --ckpt-step; it is
+            # not marked, so not a rollback target: off for this load, back after it.
+            self._non_persistent_type = args.non_persistent_ckpt_type
+            args.non_persistent_ckpt_type = None
+            warn0("rollback: non-persistent (%s) checkpoints are not loaded on this restart",
+                  self._non_persistent_type)
+        warn0("rollback requested at iteration %s: loading healthy checkpoint iteration %d "
+              "from %s (tracker: %s)", request.get("iteration", request.get("from_step")),
+              target, self.root, read_tracker(self.root))
+
+    # -- after the load (first train_step) -----------------------------------------------------
+
+    def after_load(self, args: Any, optimizer: Any, scheduler: Any) -> None:
+        """The ledger's lr scale back on the loaded param groups; a requested rollback checked
+        against the iteration Megatron loaded, then cleared in the ledger."""
+        if self._non_persistent_type is not None:
+            args.non_persistent_ckpt_type, self._non_persistent_type = self._non_persistent_type, None
+        if self._lr_bounds:
+            # The optimizer's load_state_dict brings back each group's max_lr/min_lr as saved.
+            restored = 0
+            for group in optimizer.param_groups:
+                bounds = self._lr_bounds.get(_group_key(group))
+                if bounds is not None and (group.get("max_lr"), group.get("min_lr")) != bounds:
+                    group["max_lr"], group["min_lr"] = bounds
+                    restored += 1
+            if scheduler is not None:
+                scheduler.step(increment=0)  # recompute every group's lr from the bounds
+            if restored:
+                warn0("max_lr/min_lr of %d param group(s) scaled by the ledger's lr scale", restored)
+        if self._resume_from is not None:
+            ledger = self.restart.ledger
+            if int(args.iteration) != self._resume_from:
+                if collectives.rank() == 0:
+                    log.error("rollback asked to resume from healthy checkpoint iteration %d, but "
+                              "Megatron loaded iteration %s; stopping", self._resume_from, args.iteration)
+                self._stop(f"resumed from iteration {args.iteration}, not the healthy checkpoint "
+                           f"iteration {self._resume_from} the rollback asked for")
+            self.restart.resumed({"resumed_from": int(args.iteration), "lr_scale": ledger.lr_scale,
+                                  "iterations_to_skip": list(args.iterations_to_skip or [])})
+            lr = optimizer.param_groups[0]["lr"] if optimizer.param_groups else None
+            warn0("resumed from healthy checkpoint iteration %s with lr %s", args.iteration, lr)
+
+    # -- at a rollback exit --------------------------------------------------------------------
+
+    def _on_decision(self, decision: Any, incident: Any) -> None:
+        self._episode_steps.append(int(decision.step))
+
+    def _request_fields(self) -> dict:
+        """What the ledger's rollback request adds for Megatron-LM (rank 0, at a rollback exit):
+        the iteration, and the iterations a restart skips."""
+        ledger = self.restart.ledger
+        steps = sorted(set(self._episode_steps)) if self.monitor.config.recovery.blacklist == "always" else []
+        log.warning("ledger %s: rollback requested at iteration %d; a restart skips iterations %s "
+                    "and scales the lr to %.3g of the original", ledger.path(self.root),
+                    self.monitor.step, steps, ledger.lr_scale)
+        return {"iteration": self.monitor.step, "skip_iterations": steps}
+
+    def _stop(self, reason: str) -> None:
+        """A critical stop before training starts (every rank reads the same ledger)."""
+        self.monitor.exit(Decision(Severity.CRITICAL, Action.STOP, reason, self.monitor.step))
+
+
+def _group_key(group: dict) -> tuple:
+    return tuple(id(p) for p in group["params"])
