@@ -17,12 +17,13 @@ import logging
 import os
 import platform
 import queue
-import shutil
 import sys
 import threading
 from typing import Any, Optional
 
 import torch
+
+from .files import atomic_directory
 
 log = logging.getLogger("megatron_patches")
 
@@ -127,19 +128,10 @@ class SceneWriter:
 
 
 def write_bundle(path: str, payload: dict, files_json: dict, max_bytes: int = 64 * 2**20) -> None:
-    """Write one rank's bundle atomically: a ``.tmp-`` directory renamed when complete."""
-    parent, name = os.path.split(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".tmp-{name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
+    """Write one rank's bundle atomically (:func:`files.atomic_directory`: a ``.tmp-`` directory
+    renamed when complete, removed on failure so a full disk gets its space back for the records)."""
+    with atomic_directory(path) as tmp:
         _write_into(tmp, payload, files_json, max_bytes)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back for the records
-        raise
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
 
 
 def _write_into(tmp: str, payload: dict, files_json: dict, max_bytes: int) -> None:
