@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import hooks, locate
+from . import hooks, inject, locate
 from .incidents import ParamFinding
 from .optimizer_params import model_grad
 from .protocols import Guard
@@ -125,7 +125,8 @@ def _inject(monitor: Guard, group: Any) -> None:
     """``phase=local`` drills due now, into this group's gradients before Megatron takes its norm.
     Under ``--overlap-grad-reduce`` this runs during backward, the last moment before the
     collective; without it ``finalize_model_grads`` came first and has fired them already."""
-    if not monitor.injector:
+    drills = inject.active()
+    if not drills:
         return
     params = [p for bucket in group.buckets for p in bucket.params_list]
     infos = _names(params)
@@ -134,7 +135,7 @@ def _inject(monitor: Guard, group: Any) -> None:
         grad = model_grad(param)
         if grad is not None and id(param) in infos:
             grads.append((infos[id(param)].name, infos[id(param)].order, grad))
-    fired = monitor.injector.apply(monitor.upcoming_step(), "local", monitor.rank, grads, part=True)
+    fired = drills.apply(monitor.upcoming_step(), "local", monitor.rank, grads, part=True)
     monitor.counters["injected"] += len(fired)
 
 

@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import collectives, locate
+from . import collectives, inject, locate
 from .collectives import PeerLost, gather_to_zero
 from .inject import _corrupt
 from .protocols import Guard
@@ -70,7 +70,7 @@ def attach_drills(monitor: Guard, model_chunks: list) -> int:
     """Hook each ``phase=forward`` drill onto the modules its pattern names on this rank;
     returns how many modules were hooked. A pattern matching nothing here is fine (another
     pipeline stage may hold that module)."""
-    specs = monitor.injector.forward_specs()
+    specs = inject.active().forward_specs()
     if not specs:
         return 0
     hooked = 0
@@ -87,7 +87,7 @@ def attach_drills(monitor: Guard, model_chunks: list) -> int:
 
 def _drill_hook(monitor: Guard, index: int, spec: Any, name: str):
     def hook(module, args, output):
-        if not monitor.injector.forward_due(index, monitor.upcoming_step(), monitor.rank, name):
+        if not inject.active().forward_due(index, monitor.upcoming_step(), monitor.rank, name):
             return None
         corrupted, done = _replace_first(output, spec.kind, spec.factor)
         if done:

@@ -15,6 +15,8 @@ import inspect
 import weakref
 from typing import Any, Callable, Optional
 
+from . import inject
+
 _monitor: Optional[Any] = None
 _inside_check = contextvars.ContextVar("megatron_patches_inside_check", default=False)
 _model_chunks: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
@@ -59,7 +61,7 @@ def register_model(optimizer: Any, model_chunks: list) -> None:
     _model_chunks[optimizer] = chunks
     for leaf in getattr(optimizer, "chained_optimizers", ()):
         _model_chunks[leaf] = chunks
-    if _monitor is not None and _monitor.injector.forward_specs():
+    if _monitor is not None and inject.active().forward_specs():
         from . import forward_origin
 
         forward_origin.attach_drills(_monitor, chunks)

@@ -26,6 +26,11 @@ An injection is an event in time: each (spec, step) fires once, so steps replaye
 rollback are not injected again. What actually fired (spec, parameter or sample, rank) is kept
 per step (:meth:`Injector.fired_at`), so an incident is labelled injected only by drills that
 fired at its step, never by a spec whose window merely covers it.
+
+The drills are a tool the guard calls, not part of its state: :func:`install` (done by
+``runtime.install`` from ``config.inject``) makes one :class:`Injector` the process's active one,
+and the hooks, the guard and the recovery executors reach it through :func:`active`. With none
+installed, :func:`active` is an injector without specs, which does nothing.
 """
 
 from __future__ import annotations
@@ -263,3 +268,25 @@ class Injector:
                 done.append(f"{spec.text} -> {name} on rank {rank}")
         return done
 
+
+
+_active = Injector(())
+
+
+def install(texts: Iterable[str], clock: Optional[Callable[[], tuple[int, int]]] = None) -> Injector:
+    """Parse ``texts`` (``config.inject``) and make them this process's drills; returns the injector.
+    ``clock`` is as for :class:`Injector`. A bad spec raises :class:`ConfigError` and changes nothing."""
+    global _active
+    _active = Injector([parse_spec(text) for text in texts], clock=clock)
+    return _active
+
+
+def uninstall() -> None:
+    """No drills from now on (``runtime.uninstall``)."""
+    global _active
+    _active = Injector(())
+
+
+def active() -> Injector:
+    """The process's drills (an empty injector when none were installed)."""
+    return _active

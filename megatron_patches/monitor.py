@@ -28,14 +28,13 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import detectors as detector_plugins
-from . import collectives, hooks, locate, scene, served_norm
+from . import collectives, hooks, inject, locate, scene, served_norm
 from .check import CheckStage, Verdict
 from .collectives import PeerLost
 from .decide import Responder, exit_peer_lost
 from .config import Config
 from .findings import local_findings
 from .incidents import Incident, Outcome
-from .inject import Injector, parse_spec
 from .loss_scale import LossScaleWatch
 from .origin import OriginWatch, PreReduction, named_grads
 from .optimizer_params import current_grads
@@ -75,8 +74,6 @@ class GradMonitor:
     def __init__(self, config: Config):
         self.config = config
         self._overflow_mode: Optional[str] = None  # resolved at the first check (resolve_overflow_mode)
-        self.injector = Injector([parse_spec(s) for s in config.inject],
-                                 clock=lambda: (self.upcoming_step(), self.rank))
         self.detectors = detector_plugins.build(config)
         self.report_dir = os.path.abspath(config.report_dir)
         self.stage = CheckStage(config, self.detectors)
@@ -183,9 +180,10 @@ class GradMonitor:
             return self._scaler_overflow(optimizer, step)
         self._loss_scale.clear()
         entries = self.stage.entries_for(optimizer)
-        if self.injector:
+        drills = inject.active()
+        if drills:
             grads = [(e.info.name, e.info.order, g) for e, g in current_grads(optimizer, entries) if g is not None]
-            self.counters["injected"] += len(self.injector.apply(step, "grad", self.rank, grads))
+            self.counters["injected"] += len(drills.apply(step, "grad", self.rank, grads))
         if step % self.config.check_interval:
             return False
         return self._check(optimizer, entries, step)
@@ -205,8 +203,9 @@ class GradMonitor:
         """Runs before the data-parallel reduction: phase=local drills corrupt here."""
         chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         step = self.upcoming_step()
-        if self.injector:
-            self.counters["injected"] += len(self.injector.apply(step, "local", self.rank, named_grads(chunks)))
+        drills = inject.active()
+        if drills:
+            self.counters["injected"] += len(drills.apply(step, "local", self.rank, named_grads(chunks)))
         if step % self.config.check_interval == 0:
             self.origin.before_reduction(chunks)
         for detector in self.detectors:
@@ -238,7 +237,7 @@ class GradMonitor:
     def _note_checked(self, optimizer: Any, entries: list, verdict: Verdict) -> None:
         """A training step's check: counters, the served norm, the history line."""
         ctx = verdict.ctx
-        self.injector.forget_before(ctx.step)
+        inject.active().forget_before(ctx.step)
         self.counters["checked_steps"] += 1
         self.last_total_norm = ctx.total_norm
         served_norm.remember(self, optimizer, ctx.step, ctx.total_norm, entries, ctx.grads)
@@ -252,11 +251,11 @@ class GradMonitor:
         own_origin = before.is_origin()
         pre_reduction = before.named() if own_origin else before.findings
         findings = local_findings(self.config, self.detectors, ctx, verdict.maxabs, verdict.total_over)
-        if self.injector.kills(ctx.step, self.rank):  # drill: this rank is lost in mid-incident
+        if inject.active().kills(ctx.step, self.rank):  # drill: this rank is lost in mid-incident
             os.kill(os.getpid(), signal.SIGKILL)
         part = {"findings": findings, "batch": self._batch, "ranks": locate.rank_info(),
                 "pre_reduction": pre_reduction, "origin": own_origin, "checked": len(ctx.entries),
-                "injected": self.injector.fired_at(ctx.step)}
+                "injected": inject.active().fired_at(ctx.step)}
         try:
             decision, incident = self.responder.agree(verdict, action, part, self._batch_info, self.rollbacks,
                                                       can_replay=getattr(self.executor, "in_process", False))
@@ -337,7 +336,7 @@ class GradMonitor:
         """After an in-process rollback: grading counts afresh, and drills that began are over."""
         self.rollbacks = rollbacks
         self.responder.policy.reset()
-        self.injector.spend_started()
+        inject.active().spend_started()
 
     def exit(self, decision: Decision) -> None:
         """Stop this rank cleanly for ``decision``: flush scenes and alerts, then exit with its

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 if TYPE_CHECKING:  # pragma: no cover - names for the annotations only
     from .config import Config
     from .incidents import Incident, Outcome
-    from .inject import Injector
     from .response import Decision
 
 
@@ -34,7 +33,6 @@ class Guard(Protocol):
     served_norm, forward_origin) use on the guard."""
 
     config: "Config"
-    injector: "Injector"
     counters: dict
     """Totals over the job: checked_steps, skipped_steps, incidents, scaler_overflows, injected, served_norms."""
     last_total_norm: Optional[float]

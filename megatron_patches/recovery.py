@@ -34,7 +34,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Optional, Protocol
 
-from . import checkpoint
+from . import checkpoint, inject
 from .errors import UserError
 from .incidents import Incident, Outcome
 from .protocols import Guard
@@ -307,7 +307,7 @@ class ExitAndRestart:
         self._request_fields = request_fields
         self._episode_samples: list = []
         monitor.rollbacks = self.ledger.rollbacks
-        monitor.injector.spend(self.ledger.spent_injections)
+        inject.active().spend(self.ledger.spent_injections)
         monitor.listeners.append(self._on_decision)
         monitor.executor = self
 
@@ -325,7 +325,7 @@ class ExitAndRestart:
         self.ledger.record_rollback(self.config, self._episode_samples if self.config.blacklist == "always" else [])
         fields = self._request_fields() if self._request_fields is not None else {}
         self.ledger.rollback_requested = {"from_step": self.monitor.step, **fields}
-        self.ledger.spent_injections = sorted(set(self.ledger.spent_injections) | set(self.monitor.injector.fired_specs()))
+        self.ledger.spent_injections = sorted(set(self.ledger.spent_injections) | set(inject.active().fired_specs()))
         self.ledger.events.append({"step": self.monitor.step, "exit": EXIT_ROLLBACK, "lr_scale": self.ledger.lr_scale,
                                    "blacklisted": len(self._episode_samples),
                                    **({"skip_iterations": fields["skip_iterations"]} if "skip_iterations" in fields else {})})

@@ -6,7 +6,7 @@ import logging
 import sys
 from typing import Optional
 
-from . import hooks, patching
+from . import hooks, inject, patching
 from .config import Config, load_config
 from .monitor import GradMonitor
 
@@ -40,6 +40,9 @@ def install(config: Optional[Config] = None) -> Optional[GradMonitor]:
         return None
     monitor = hooks.get_monitor()
     if monitor is None:
+        # The drills first: a bad spec stops here, before anything is made or patched. Poison
+        # drills ask the guard which step and rank a sample is fed on.
+        inject.install(config.inject, clock=lambda: (monitor.upcoming_step(), monitor.rank))
         monitor = GradMonitor(config)
         hooks.set_monitor(monitor)
     patching.install()
@@ -50,4 +53,5 @@ def uninstall() -> None:
     """Remove the patches and the monitor (tests, or a loop that wants them gone)."""
     patching.uninstall()
     hooks.set_monitor(None)
+    inject.uninstall()
 

@@ -100,3 +100,34 @@ def test_a_bad_spec_is_refused_naming_the_spec_and_the_problem(text, message):
     said = str(caught.value)
     assert said.startswith(f"injection {text!r}: ") and message in said, said
     assert isinstance(caught.value, UserError) and "\n" not in said
+
+
+def test_the_drills_are_installed_beside_the_guard_not_inside_it(clean_patches):
+    """runtime.install makes config.inject the process's active drills; uninstall clears them;
+    the guard itself holds none."""
+    from megatron_patches import inject, runtime
+    from megatron_patches.config import Config
+
+    assert not inject.active() and inject.active().forward_specs() == []
+    monitor = runtime.install(Config.from_dict({"inject": ["nan:step=3,phase=local", "poison:sample=7"]}))
+    try:
+        assert [s.text for s in inject.active().specs] == ["nan:step=3,phase=local", "poison:sample=7"]
+        assert not hasattr(monitor, "injector")
+        assert inject.active().poisoned([6, 7]) == {7}
+        assert inject.active().fired_at(monitor.upcoming_step()) == [
+            {"drill": "poison:sample=7", "rank": 0, "sample": 7}]  # fed on the step the guard is making
+    finally:
+        runtime.uninstall()
+    assert inject.active().specs == ()
+
+
+def test_a_bad_spec_leaves_the_active_drills_as_they_were():
+    from megatron_patches import inject
+
+    try:
+        inject.install(["nan:step=2"])
+        with pytest.raises(ConfigError, match="step"):
+            inject.install(["nan:step=2", "nan:step=zero"])
+        assert [s.text for s in inject.active().specs] == ["nan:step=2"]
+    finally:
+        inject.uninstall()
