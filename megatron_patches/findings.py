@@ -67,7 +67,8 @@ def local_findings(config: Any, detectors: list, ctx: CheckContext, maxabs: Opti
             reasons = [r for r in reasons if r != "nonfinite"] + (["nan"] if nan else []) + (["inf"] if inf else [])
         findings.append(ParamFinding(
             name=entry.info.name, layer=entry.info.layer, shape=list(entry.model.shape),
-            nan=nan, inf=inf, overflow=overflow, norm=finite_or_none(norm_list[i]), ranks=ranks,
+            nan=nan, inf=inf, overflow=overflow, norm=finite_or_none(norm_list[i]),
+            ranks=locate.param_ranks(ranks, entry.info),
             host=host, device=device, order=entry.info.order, shard=entry.shard, reasons=reasons))
     return findings
 

@@ -32,6 +32,9 @@ class ParamInfo:
     counts_in_norm: bool
     """False for copies that Megatron's grad norm skips: TP-replicated parameters on TP ranks
     other than 0, and shared (tied) parameters."""
+    chunk: int = 0
+    """Index of the model chunk holding it: its virtual pipeline rank under an interleaved
+    schedule (0 otherwise)."""
 
 
 def _strip_wrappers(name: str) -> str:
@@ -77,6 +80,12 @@ def rank_info() -> dict[str, int]:
     vpp = getattr(ps, "get_virtual_pipeline_model_parallel_rank", lambda: None)() if ps else None
     ranks["vpp"] = int(vpp) if vpp is not None else 0
     return ranks
+
+
+def param_ranks(ranks: dict[str, int], info: Optional[ParamInfo]) -> dict[str, int]:
+    """This process's ``ranks`` (:func:`rank_info`) as they hold for one parameter: ``vpp`` is the
+    virtual pipeline rank of the chunk the parameter is in, not the one being run right now."""
+    return {**ranks, "vpp": info.chunk} if info is not None else ranks
 
 
 def world_layout() -> dict[str, int]:
@@ -201,5 +210,6 @@ def name_parameters(model_chunks: list) -> dict[int, ParamInfo]:
                 layer=int(layer_match.group(1)) if layer_match else None,
                 order=stage * _STAGE_STRIDE + position,
                 counts_in_norm=(tp_param or tp_rank == 0) and not getattr(param, "shared", False),
+                chunk=chunk_index,
             )
     return infos

@@ -525,8 +525,8 @@ def test_expert_parallel_job_is_refused_at_start_with_exit_2_and_one_line(loop_k
 def test_interleaved_pipeline_names_the_parameter_on_its_virtual_stage(loop_kind, request, tmp_path):
     """Interleaved (virtual) pipeline is checked: PP 2 x VPP 2 over 4 layers puts global layer 2
     on pipeline rank 0 (its second model chunk); a NaN there is named with its global layer
-    number and pipeline rank, and skipped. (The record's ``vpp`` field is still the process's
-    current virtual rank, not the chunk's: not asserted.)"""
+    number, pipeline rank and virtual pipeline rank (the chunk's, not the one running when the
+    check ran), and skipped."""
     loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
     name = "decoder.layers.2.mlp.linear_fc1.weight"
     env = guard_env(tmp_path, inject=[f"nan:step=3,param={name}"])
@@ -537,7 +537,7 @@ def test_interleaved_pipeline_names_the_parameter_on_its_virtual_stage(loop_kind
     [incident] = incidents(tmp_path)
     assert incident["step"] == 3 and incident["kind"] == "nan" and incident["action"] == "skip_step"
     assert incident["first"]["name"] == name and incident["first"]["layer"] == 2
-    assert incident["first"]["ranks"]["pp"] == 0
+    assert incident["first"]["ranks"]["pp"] == 0 and incident["first"]["ranks"]["vpp"] == 1
     assert sorted(iterations(output)) == [1, 2, 3, 4, 5, 6]
 
 
