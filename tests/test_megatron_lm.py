@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -206,6 +206,7 @@ class Loop:
     the ``megatron/training`` that the installed megatron-core package ships."""
 
     tree: Path | None
+    nproc: int = 2
 
     @property
     def version(self) -> tuple[int, int]:
@@ -218,7 +219,7 @@ class Loop:
 
     def command(self, *extra: str) -> list[str]:
         script = [] if self.tree is None else [str(self.tree / "pretrain_gpt.py")]
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nproc}",
                 "-m", "megatron_patches.testing.pretrain_cpu", *script, *TINY, *extra]
 
     def run(self, env: dict, *extra: str) -> subprocess.CompletedProcess:
@@ -519,6 +520,29 @@ def test_overlapped_param_gather_without_megatrons_check_names_one_origin(loop_k
     _, incident = one_off_local_nan(loop, tmp_path, *GPU_OVERLAP_FLAGS, "--overlap-param-gather",
                                     megatrons_check=False)
     reached_the_optimizer(incident)
+
+
+@pytest.mark.multiproc
+def test_interleaved_overlapped_reduction_without_megatrons_check_names_one_origin(loop_kind, request, tmp_path):
+    """Interleaved pipeline (PP 2 x VPP 2) over two data-parallel replicas, 4 ranks: the schedule
+    starts each model chunk's reduction through grad_sync_func in the middle of the pipeline's
+    backward. Rank 1 (pp 0, dp 1) holds global layer 2 in its second chunk; its NaN goes in before
+    that chunk's collective: one origin, warning, the reduce-scatter carries it into the owner's
+    shard."""
+    name = "decoder.layers.2.mlp.linear_fc1.weight"
+    loop = replace(make_loop(loop_kind, request, tmp_path, only="pretrain"), nproc=4)
+    env = guard_env(tmp_path, inject=[f"nan:step=3,rank=1,phase=local,param={name}"])
+    proc = loop.run(env, *GPU_OVERLAP_FLAGS, "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                    "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    [incident] = incidents(tmp_path)
+    assert (incident["step"], incident["action"], incident["severity"]) == (3, "skip_step", "warning")
+    assert incident["origin_ranks"] == [1]
+    [before] = incident["pre_reduction"]
+    assert (before["name"], before["layer"], before["ranks"]["global"], before["ranks"]["pp"]) == (name, 2, 1, 0)
+    assert [p["name"] for p in incident["params"]] == [name] and all(p["shard"] for p in incident["params"])
+    assert sorted(iterations(output)) == [1, 2, 3, 4, 5, 6]
 
 
 @pytest.mark.multiproc
