@@ -36,6 +36,7 @@ _params: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
 
 
 def group_params(group: Any) -> list:
+    """The parameters of ``group``'s buckets, listed once per group."""
     params = _params.get(group)
     if params is None:
         params = _params[group] = [p for bucket in group.buckets for p in bucket.params_list]
@@ -52,15 +53,19 @@ def start_grad_sync(monitor: Any, group: Any, call: Callable[[], Any]) -> Any:
 
 
 def _before_collective(monitor: Any, group: Any) -> None:
+    step = monitor.upcoming_step()
+    drills = bool(monitor.injector) and bool(monitor.injector.due(step, "local", monitor.rank))
+    origin = step % monitor.config.check_interval == 0 and monitor.origin.active()
+    if not (drills or origin):  # one replica, a step not checked: nothing is read
+        return
     params = group_params(group)
     _wait_for_replayed_grads(params)
-    step = monitor.upcoming_step()
-    if monitor.injector and monitor.injector.due(step, "local", monitor.rank):
+    if drills:
         infos = _infos(params)
         grads = [(infos[id(p)].name, infos[id(p)].order, g) for p in params
                  if (g := model_grad(p)) is not None and id(p) in infos]
         monitor.counters["injected"] += len(monitor.injector.apply(step, "local", monitor.rank, grads, part=True))
-    if step % monitor.config.check_interval == 0:
+    if origin:
         monitor.origin.before_group(group, params, step)
 
 

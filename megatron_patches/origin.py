@@ -76,7 +76,7 @@ class OriginWatch:
         (:mod:`~megatron_patches.grad_sync`): one fused pass over its gradients, kept on the
         device. A group seen again in the same step (a rerun) replaces its pass; passes left
         from a step whose check never ran are dropped."""
-        if not (self.enabled and self.replicas() > 1):
+        if not self.active():
             return
         if self._groups_step != step:
             self._groups, self._groups_step = {}, step
@@ -89,6 +89,11 @@ class OriginWatch:
         if grads:
             with torch.no_grad():
                 self._groups[id(group)] = (held, torch.stack(torch._foreach_norm(grads)).float())
+
+    def active(self) -> bool:
+        """Whether a pass before the reduction can tell anything: with one replica there is
+        nowhere else a fault could have entered."""
+        return self.enabled and self.replicas() > 1
 
     def note_bucket_check(self) -> None:
         self._bucket_checks = True
