@@ -158,6 +158,17 @@ def check_grads_wrapper(wrapped, instance, args, kwargs):
     return bucket_check.check_grads(_monitor, instance, lambda: wrapped(*args, **kwargs))
 
 
+def start_grad_sync_wrapper(wrapped, instance, args, kwargs):
+    """wrapt wrapper for DDP's per-bucket-group ``start_grad_sync`` (the start of its data-parallel
+    collective; during backward under ``--overlap-grad-reduce``): drills and the origin pass go in
+    first where Megatron's own check does not run for the guard (:mod:`megatron_patches.grad_sync`)."""
+    if _monitor is None:
+        return wrapped(*args, **kwargs)
+    from . import grad_sync
+
+    return grad_sync.start_grad_sync(_monitor, instance, lambda: wrapped(*args, **kwargs))
+
+
 def validate_result_wrapper(wrapped, instance, args, kwargs):
     """wrapt wrapper for ``RerunStateMachine.validate_result``: passes through, except a
     non-finite bucket norm inside a ``check_grads`` the guard owns (the rerun machine is not told)."""

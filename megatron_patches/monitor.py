@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import detectors as detector_plugins
-from . import collectives, hooks, inject, locate, scene, served_norm
+from . import collectives, grad_sync, hooks, inject, locate, scene, served_norm
 from .check import CheckStage, Verdict
 from .collectives import PeerLost
 from .decide import Responder, exit_peer_lost
@@ -200,14 +200,17 @@ class GradMonitor:
                     grad.zero_()
 
     def before_grad_reduction(self, model_chunks: Any) -> None:
-        """Runs before the data-parallel reduction: phase=local drills corrupt here."""
+        """Runs at ``finalize_model_grads``. For Megatron DDP chunks the buckets' reductions start
+        in their own ``start_grad_sync`` (under overlap, already during backward): phase=local drills
+        and the origin pass go in there (:mod:`~megatron_patches.grad_sync`); for other models, here."""
         chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         step = self.upcoming_step()
-        drills = inject.active()
-        if drills:
-            self.counters["injected"] += len(drills.apply(step, "local", self.rank, named_grads(chunks)))
-        if step % self.config.check_interval == 0:
-            self.origin.before_reduction(chunks)
+        if not grad_sync.covers(chunks):
+            drills = inject.active()
+            if drills:
+                self.counters["injected"] += len(drills.apply(step, "local", self.rank, named_grads(chunks)))
+            if step % self.config.check_interval == 0:
+                self.origin.before_reduction(chunks)
         for detector in self.detectors:
             detector.before_reduction(chunks, step)
 

@@ -1,8 +1,10 @@
 """Where a fault entered: each rank's own gradients before the data-parallel reduction.
 
 A non-finite gradient on one card is summed into every replica by the reduction, so after it
-every rank sees the fault. Before it, a flag per rank (one fused norm pass, or Megatron's own
-per-bucket norms where :mod:`~megatron_patches.bucket_check` runs) says which ranks it came from.
+every rank sees the fault. Before it, a flag per rank says which ranks it came from: one fused norm
+pass per DDP bucket group right before its collective (:mod:`~megatron_patches.grad_sync`), or
+Megatron's own per-bucket norms where :mod:`~megatron_patches.bucket_check` runs, or, for a model
+without bucket groups, one fused pass at ``finalize_model_grads``.
 The flags ride on the check's all-reduce as a count; which ranks they were, and the parameters
 they name, are gathered on the slow path only.
 """
@@ -34,8 +36,9 @@ class PreReduction:
 
     flag: Optional[torch.Tensor] = None
     """1.0 on the device when this rank's own gradients held NaN/Inf; None when not checked."""
-    norms: Optional[tuple] = None
-    """(chunks, params, device norms) of the fused pass, read only when the flag is up."""
+    norms: list = field(default_factory=list)
+    """(chunks or None, params, device norms) of each fused pass, read only when the flag is up
+    (None: the chunks registered for the optimizer holding the params, found then)."""
     findings: list = field(default_factory=list)
     """Parameters Megatron's bucket check found non-finite here (:meth:`OriginWatch.note`)."""
 
@@ -45,7 +48,7 @@ class PreReduction:
 
     def named(self) -> list[ParamFinding]:
         """This rank's own faulty gradients: the bucket check's, else from the fused norms."""
-        return self.findings or _norm_findings(self.norms)
+        return self.findings or [f for norms in self.norms for f in _norm_findings(norms)]
 
 
 class OriginWatch:
@@ -56,13 +59,41 @@ class OriginWatch:
         self._pending = PreReduction()
         self._bucket_checks = False
         self._replica_count: Optional[int] = None
+        self._groups: dict[int, tuple[list, torch.Tensor]] = {}
+        """Per bucket group of the step being made: (params, device norms) of its fused pass."""
+        self._groups_step: Optional[int] = None
 
     def before_reduction(self, chunks: list) -> None:
         """At a checked step's reduction: raise the flag from one fused pass over the gradients.
         With one replica there is nowhere else a fault could have entered: no extra read. Where
         Megatron's bucket check runs, the flag comes from its norms (:meth:`note`)."""
         if self.enabled and self.replicas() > 1 and not self._bucket_checks:
-            self._pending.flag, self._pending.norms = _local_origin_norms(chunks)
+            self._pending.flag, norms = _local_origin_norms(chunks)
+            self._pending.norms = [norms] if norms is not None else []
+
+    def before_group(self, group: object, params: list, step: int) -> None:
+        """A DDP bucket group of a checked ``step`` right before its collective
+        (:mod:`~megatron_patches.grad_sync`): one fused pass over its gradients, kept on the
+        device. A group seen again in the same step (a rerun) replaces its pass; passes left
+        from a step whose check never ran are dropped."""
+        if not self.active():
+            return
+        if self._groups_step != step:
+            self._groups, self._groups_step = {}, step
+        held, grads = [], []
+        for param in params:
+            grad = model_grad(param)
+            if grad is not None and grad.numel() > 0:
+                held.append(param)
+                grads.append(grad)
+        if grads:
+            with torch.no_grad():
+                self._groups[id(group)] = (held, torch.stack(torch._foreach_norm(grads)).float())
+
+    def active(self) -> bool:
+        """Whether a pass before the reduction can tell anything: with one replica there is
+        nowhere else a fault could have entered."""
+        return self.enabled and self.replicas() > 1
 
     def note_bucket_check(self) -> None:
         self._bucket_checks = True
@@ -74,6 +105,12 @@ class OriginWatch:
 
     def take(self) -> PreReduction:
         taken, self._pending = self._pending, PreReduction()
+        if self._groups:  # the groups' flags join in one device op here, at the check
+            norms = torch.cat([n for _, n in self._groups.values()])
+            flag = (~torch.isfinite(norms)).any().float()
+            taken.flag = flag if taken.flag is None else torch.maximum(taken.flag, flag.to(taken.flag.device))
+            taken.norms += [(None, params, n) for params, n in self._groups.values()]
+        self._groups, self._groups_step = {}, None
         return taken
 
     def replicas(self) -> int:
@@ -107,6 +144,10 @@ def _norm_findings(origin_norms: Optional[tuple]) -> list[ParamFinding]:
     if origin_norms is None:
         return []
     chunks, params, norms = origin_norms
+    if chunks is None:
+        from .grad_sync import locate_chunks
+
+        chunks = locate_chunks(params)
     infos = locate.name_parameters(chunks)
     ranks, host, device = locate.rank_info(), locate.host(), locate.device_name()
     findings = []
@@ -118,6 +159,6 @@ def _norm_findings(origin_norms: Optional[tuple]) -> list[ParamFinding]:
         findings.append(ParamFinding(
             name=info.name if info else f"<unnamed {tuple(param.shape)}>", layer=info.layer if info else None,
             shape=list(param.shape), nan=int(reason == "nan"), inf=int(reason == "inf"), overflow=0, norm=None,
-            ranks=ranks, host=host, device=device, order=info.order if info else -1,
+            ranks=locate.param_ranks(ranks, info), host=host, device=device, order=info.order if info else -1,
             reasons=[reason, "pre_reduction"]))
     return findings

@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -206,6 +206,7 @@ class Loop:
     the ``megatron/training`` that the installed megatron-core package ships."""
 
     tree: Path | None
+    nproc: int = 2
 
     @property
     def version(self) -> tuple[int, int]:
@@ -218,7 +219,7 @@ class Loop:
 
     def command(self, *extra: str) -> list[str]:
         script = [] if self.tree is None else [str(self.tree / "pretrain_gpt.py")]
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nproc}",
                 "-m", "megatron_patches.testing.pretrain_cpu", *script, *TINY, *extra]
 
     def run(self, env: dict, *extra: str) -> subprocess.CompletedProcess:
@@ -442,16 +443,19 @@ def wandb_history(run_file: Path) -> list[dict]:
 
 
 
-def one_off_local_nan(loop: Loop, tmp_path: Path, *extra: str) -> tuple[str, dict]:
+def one_off_local_nan(loop: Loop, tmp_path: Path, *extra: str, megatrons_check: bool = True) -> tuple[str, dict]:
     """Stock flags (Megatron's pre-reduction NaN check on, --rerun-mode validate_results), 2 ranks,
-    one NaN in rank 1's own fc1 gradient at iteration 4: the run must end 0 with one incident."""
+    one NaN in rank 1's own fc1 gradient at iteration 4: the run must end 0 with one incident.
+    ``megatrons_check`` False: ``extra`` turns Megatron's check off; the guard's own fused pass
+    before the reduction finds the origin (nothing logged then until the incident)."""
     env = guard_env(tmp_path, inject=[f"nan:step=4,rank=1,phase=local,param={FC1}"])
     proc = loop.run(env, *extra)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     # Megatron's rerun machine is not asked: no rerun, no "possible transient error", no exit 17.
     assert "Need to rerun step" not in output and "Possible transient error" not in output
-    assert re.search(rf"before the data-parallel reduction: non-finite local gradient on rank 1 .*{FC1}", output)
+    if megatrons_check:
+        assert re.search(rf"before the data-parallel reduction: non-finite local gradient on rank 1 .*{FC1}", output)
     [incident] = incidents(tmp_path)
     assert incident["step"] == 4 and incident["kind"] == "nan" and incident["action"] == "skip_step"
     assert incident["first"]["name"] == FC1 and incident["origin_ranks"] == [1]
@@ -483,6 +487,62 @@ def test_overlapped_reduction_local_nan_is_named_at_its_bucket_with_one_origin(l
     loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
     _, incident = one_off_local_nan(loop, tmp_path, "--overlap-grad-reduce", "--use-distributed-optimizer")
     assert all(p["shard"] for p in incident["params"])
+
+
+GPU_OVERLAP_FLAGS = ("--overlap-grad-reduce", "--use-distributed-optimizer", "--bf16",
+                     "--no-check-for-nan-in-loss-and-grad")
+"""What GPU users run: reductions overlapped with backward, Megatron's own NaN check off."""
+
+
+@pytest.mark.multiproc
+def test_overlapped_reduction_without_megatrons_check_names_one_origin(loop_kind, request, tmp_path):
+    """Megatron's check off, reductions overlapped: each bucket group's reduction starts during
+    backward, long before finalize_model_grads. The drill and the origin flag (one fused pass over
+    the group's own gradients) go in at the group's start_grad_sync, before its collective: one
+    origin, graded warning, the parameter named on dp 1."""
+    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
+    _, incident = one_off_local_nan(loop, tmp_path, *GPU_OVERLAP_FLAGS, megatrons_check=False)
+    reached_the_optimizer(incident)
+
+
+def reached_the_optimizer(incident: dict) -> None:
+    """The drill went in before the collective: the reduce-scatter carried the NaN into its owner's
+    shard, where the optimizer found it. (A drill after the collective started leaves it in a
+    buffer the reduction no longer reads: an incident from the origin read alone, no params.)"""
+    assert [p["name"] for p in incident["params"]] == [FC1] and all(p["shard"] for p in incident["params"])
+
+
+@pytest.mark.multiproc
+def test_overlapped_param_gather_without_megatrons_check_names_one_origin(loop_kind, request, tmp_path):
+    """The same with --overlap-param-gather (the next step's parameters are gathered during its
+    forward): the reduction side goes through the same start_grad_sync."""
+    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
+    _, incident = one_off_local_nan(loop, tmp_path, *GPU_OVERLAP_FLAGS, "--overlap-param-gather",
+                                    megatrons_check=False)
+    reached_the_optimizer(incident)
+
+
+@pytest.mark.multiproc
+def test_interleaved_overlapped_reduction_without_megatrons_check_names_one_origin(loop_kind, request, tmp_path):
+    """Interleaved pipeline (PP 2 x VPP 2) over two data-parallel replicas, 4 ranks: the schedule
+    starts each model chunk's reduction through grad_sync_func in the middle of the pipeline's
+    backward. Rank 1 (pp 0, dp 1) holds global layer 2 in its second chunk; its NaN goes in before
+    that chunk's collective: one origin, warning, the reduce-scatter carries it into the owner's
+    shard."""
+    name = "decoder.layers.2.mlp.linear_fc1.weight"
+    loop = replace(make_loop(loop_kind, request, tmp_path, only="pretrain"), nproc=4)
+    env = guard_env(tmp_path, inject=[f"nan:step=3,rank=1,phase=local,param={name}"])
+    proc = loop.run(env, *GPU_OVERLAP_FLAGS, "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                    "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    [incident] = incidents(tmp_path)
+    assert (incident["step"], incident["action"], incident["severity"]) == (3, "skip_step", "warning")
+    assert incident["origin_ranks"] == [1]
+    [before] = incident["pre_reduction"]
+    assert (before["name"], before["layer"], before["ranks"]["global"], before["ranks"]["pp"]) == (name, 2, 1, 0)
+    assert [p["name"] for p in incident["params"]] == [name] and all(p["shard"] for p in incident["params"])
+    assert sorted(iterations(output)) == [1, 2, 3, 4, 5, 6]
 
 
 @pytest.mark.multiproc

@@ -1,6 +1,8 @@
 """Drill specs (``KIND:key=value,...``) parsed without training: every kind and key, and the
 message of every refusal (inject.parse_spec)."""
 
+import logging
+
 import pytest
 
 from megatron_patches.errors import ConfigError, UserError
@@ -109,6 +111,8 @@ def test_the_drills_are_installed_beside_the_guard_not_inside_it(clean_patches):
     from megatron_patches.config import Config
 
     assert not inject.active() and inject.active().forward_specs() == []
+    logger = logging.getLogger("megatron_patches")
+    kept = (logger.propagate, list(logger.handlers), logger.level)  # install sets logging up
     monitor = runtime.install(Config.from_dict({"inject": ["nan:step=3,phase=local", "poison:sample=7"]}))
     try:
         assert [s.text for s in inject.active().specs] == ["nan:step=3,phase=local", "poison:sample=7"]
@@ -118,6 +122,8 @@ def test_the_drills_are_installed_beside_the_guard_not_inside_it(clean_patches):
             {"drill": "poison:sample=7", "rank": 0, "sample": 7}]  # fed on the step the guard is making
     finally:
         runtime.uninstall()
+        logger.propagate, logger.handlers[:] = kept[0], kept[1]
+        logger.setLevel(kept[2])
     assert inject.active().specs == ()
 
 

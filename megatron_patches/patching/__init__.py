@@ -91,7 +91,7 @@ def _our_wrapper(obj: Any) -> Any:
     return None
 
 
-def _already_hooked(obj: Any) -> bool:
+def already_hooked(obj: Any) -> bool:
     """True when the object already calls our hooks: a source patch, our own wrapper (bound or
     not), or a decorator that keeps one of those in its ``__wrapped__`` chain."""
     for _ in range(32):
@@ -142,7 +142,7 @@ def _where(item: _Installed) -> str:
 
 def replaced_targets() -> list[str]:
     """Where a binding of ours no longer calls the hooks (``module.Class.name``), in install order."""
-    return [_where(item) for item in _installed if not _already_hooked(_current(item.owner, item.name))]
+    return [_where(item) for item in _installed if not already_hooked(_current(item.owner, item.name))]
 
 
 def rewrap_replaced(when: str) -> list[str]:
@@ -152,7 +152,7 @@ def rewrap_replaced(when: str) -> list[str]:
     fresh: dict[int, Any] = {}
     for item in list(_installed):
         current = _current(item.owner, item.name)
-        if current is None or _already_hooked(current):
+        if current is None or already_hooked(current):
             continue
         by.add(getattr(current, "__module__", None) or type(current).__module__)
         _installed.remove(item)
@@ -212,7 +212,7 @@ def install(version: Optional[str] = None) -> list[str]:
         leftover = _our_wrapper(raw)
         if leftover is not None:  # ours from an earlier install, put back by another patcher
             original = leftover.__wrapped__
-        elif _already_hooked(raw):
+        elif already_hooked(raw):
             log.info("%s already calls the hooks (source patch); left as is", target.dotted)
             continue
         wrapped = _wrap(target, owner, name, original)

@@ -96,7 +96,8 @@ TARGETS: tuple[PatchTarget, ...] = (
         "megatron.core.distributed.finalize_model_grads",
         "finalize_model_grads",
         hooks.finalize_model_grads_wrapper,
-        "Runs right before the data-parallel gradient reduction: drills with phase=local inject here.",
+        "Runs before the data-parallel gradient reduction of a model without DDP bucket groups: "
+        "phase=local drills and the origin pass go in here for it (DDP chunks: at start_grad_sync).",
         aliases=("megatron.core.distributed", "megatron.training.training"),
     ),
     PatchTarget(
@@ -107,6 +108,16 @@ TARGETS: tuple[PatchTarget, ...] = (
         "bucket's local norm right before its data-parallel collective and hands a non-finite one to "
         "the RerunStateMachine, which ends the job (exit 16/17) naming no parameter. The guard names "
         "the bucket's parameters on the origin rank and owns the fault (megatron_patches.bucket_check).",
+    ),
+    PatchTarget(
+        "megatron.core.distributed.param_and_grad_buffer",
+        "_ParamAndGradBucketGroup.start_grad_sync",
+        hooks.start_grad_sync_wrapper,
+        "Where each bucket group's data-parallel collective starts: during backward under "
+        "--overlap-grad-reduce (interleaved pipelines through grad_sync_func), long before "
+        "finalize_model_grads. With Megatron's check off (or on a step it keeps), phase=local drills "
+        "and the origin flag's fused pass go in here, before the collective reads the buffer "
+        "(megatron_patches.grad_sync).",
     ),
     PatchTarget(
         "megatron.core.rerun_state_machine",

@@ -57,7 +57,8 @@ def build_model(args: argparse.Namespace, device: str) -> tuple[Any, Any]:
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=a.distributed_optimizer,
-        check_for_nan_in_grad=a.check_for_nan_in_grad)
+        check_for_nan_in_grad=a.check_for_nan_in_grad, overlap_grad_reduce=a.overlap_grad_reduce,
+        bucket_size=a.ddp_bucket_size)
     model = DistributedDataParallel(config, ddp_config, model)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model.no_sync

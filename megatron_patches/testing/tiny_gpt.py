@@ -40,6 +40,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="megatron-core's own per-bucket NaN/Inf check before the data-parallel reduction "
                         "(on by default in Megatron-LM, off in megatron-core; the guard then takes its origin "
                         "flag from that check's norms instead of a read of its own)")
+    p.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="start each bucket group's data-parallel reduction during backward, as soon as its "
+                        "gradients are ready (Megatron-LM's --overlap-grad-reduce)")
+    p.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="parameters per DDP bucket (default: megatron-core's; smaller makes several buckets)")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     p.add_argument("--seed", type=int, default=1234, help="model and data seed (default 1234)")
     p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")

@@ -1,0 +1,120 @@
+"""Drills and the origin flag at each DDP bucket group's own start of its data-parallel reduction.
+
+Megatron DDP reduces gradients per bucket group, in ``_ParamAndGradBucketGroup.start_grad_sync``.
+Without ``--overlap-grad-reduce`` that runs inside ``finalize_model_grads``; with it, during
+backward, as soon as the group's gradients are ready (interleaved pipelines reach it through
+``config.grad_sync_func``, and ``--overlap-param-gather`` changes nothing on this side). By the
+time ``finalize_model_grads`` runs, an overlapped group's collective has long been launched:
+a drill there corrupts a buffer the reduction no longer reads, and an origin read there sees
+reduced data (the owner of a NaN shard looks like a second origin).
+
+So for models made of DDP chunks the guard acts per group, right before the wrapped
+``start_grad_sync`` (before its collective, and before ``gradient_scaling_factor`` scales the
+buffer), on the groups Megatron's own check does not cover for the guard (its check off, or a
+step :func:`megatron_patches.bucket_check.owns` leaves alone; where it owns the step,
+:mod:`~megatron_patches.bucket_check` does the same from Megatron's norms):
+
+- ``phase=local`` drills due now are fired into this group's gradients;
+- on a step the guard checks, with more than one data-parallel replica, one fused
+  ``torch._foreach_norm`` over the group's gradients feeds this rank's origin flag
+  (:meth:`megatron_patches.origin.OriginWatch.before_group`); nothing is read on the host.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from . import bucket_check, inject, locate
+from .optimizer_params import model_grad
+
+_params: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
+"""Each bucket group's parameters (fixed for the group's life), in bucket order."""
+
+
+def group_params(group: Any) -> list:
+    """The parameters of ``group``'s buckets, listed once per group."""
+    params = _params.get(group)
+    if params is None:
+        params = _params[group] = [p for bucket in group.buckets for p in bucket.params_list]
+    return params
+
+
+def start_grad_sync(monitor: Any, group: Any, call: Callable[[], Any]) -> Any:
+    """Run ``start_grad_sync`` for ``group`` after this rank's part before the collective."""
+    if not (group.is_first_batch and group.grad_reduce_handle is not None):  # else Megatron's no-op
+        ddp_config = group.ddp_config
+        if not bucket_check.owns(monitor, ddp_config.check_for_nan_in_grad):
+            _before_collective(monitor, group)
+    return call()
+
+
+def _before_collective(monitor: Any, group: Any) -> None:
+    step = monitor.upcoming_step()
+    injector = inject.active()
+    drills = bool(injector) and bool(injector.due(step, "local", monitor.rank))
+    origin = step % monitor.config.check_interval == 0 and monitor.origin.active()
+    if not (drills or origin):  # one replica, a step not checked: nothing is read
+        return
+    params = group_params(group)
+    _wait_for_replayed_grads(params)
+    if drills:
+        infos = _infos(params)
+        grads = [(infos[id(p)].name, infos[id(p)].order, g) for p in params
+                 if (g := model_grad(p)) is not None and id(p) in infos]
+        monitor.counters["injected"] += len(injector.apply(step, "local", monitor.rank, grads, part=True))
+    if origin:
+        monitor.origin.before_group(group, params, step)
+
+
+def _wait_for_replayed_grads(params: list) -> None:
+    """A CUDA-graph replay may still be accumulating into these gradients (megatron-core 0.19+
+    marks such parameters with an event, which its own start_grad_sync waits for too)."""
+    events = {id(e): e for p in params if (e := getattr(p, "_cudagraph_wgrad_ready_event", None)) is not None}
+    if events:
+        stream = torch.cuda.current_stream()
+        for event in events.values():
+            stream.wait_event(event)
+
+
+def _infos(params: list) -> dict:
+    """Names from the model chunks the optimizer was built for (the chunks holding ``params``)."""
+    chunks = locate_chunks(params)
+    return locate.name_parameters(chunks) if chunks else {}
+
+
+def locate_chunks(params: list) -> list:
+    """The registered model chunks holding ``params`` (empty when none does)."""
+    from . import hooks
+
+    wanted = {id(p) for p in params}
+    for chunks in hooks.known_model_chunks():
+        if any(id(p) in wanted for chunk in chunks for p in chunk.parameters()):
+            return chunks
+    return []
+
+
+def covers(model_chunks: list) -> bool:
+    """Whether every chunk is Megatron DDP reducing through bucket groups whose
+    ``start_grad_sync`` calls the hooks: then drills and the origin pass go in per group, and
+    ``finalize_model_grads`` leaves them alone. Anything else (a plain module, a custom
+    data-parallel wrapper) keeps the check at ``finalize_model_grads``."""
+    if not model_chunks:
+        return False
+    for chunk in model_chunks:
+        groups = getattr(chunk, "bucket_groups", None)
+        experts = getattr(chunk, "expert_parallel_bucket_groups", None)
+        if not isinstance(groups, list) or not isinstance(experts, list):
+            return False
+        if not all(_hooked(type(group)) for group in groups + experts):
+            return False
+    return True
+
+
+def _hooked(cls: type) -> bool:
+    from .patching import already_hooked
+
+    return already_hooked(inspect.getattr_static(cls, "start_grad_sync", None))
