@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import detectors as detector_plugins
-from . import collectives, hooks, locate, scene, served_norm
+from . import collectives, hooks, locate, megatron_rerun, scene, served_norm
 from .check import CheckStage, Verdict
 from .collectives import PeerLost
 from .decide import Responder, exit_peer_lost
@@ -256,7 +256,7 @@ class GradMonitor:
             os.kill(os.getpid(), signal.SIGKILL)
         part = {"findings": findings, "batch": self._batch, "ranks": locate.rank_info(),
                 "pre_reduction": pre_reduction, "origin": own_origin, "checked": len(ctx.entries),
-                "injected": self.injector.fired_at(ctx.step)}
+                "injected": self.injector.fired_at(ctx.step), "megatron": megatron_rerun.part(ctx.step)}
         try:
             decision, incident = self.responder.agree(verdict, action, part, self._batch_info, self.rollbacks,
                                                       can_replay=getattr(self.executor, "in_process", False))
