@@ -23,7 +23,8 @@ import pytest
 
 from megatron_patches.testing.pretrain_cpu import TINY_GPT_ARGS
 
-from megatron_patches import checkpoint
+from megatron_patches import checkpoint, megatron_rerun
+from megatron_patches.report import diagnosis
 from megatron_patches.integrations import megatron_lm
 from megatron_patches.recovery import LEDGER_FILE, Ledger
 
@@ -588,6 +589,26 @@ def test_a_marker_that_cannot_be_written_never_ends_the_job(loop_kind, request, 
 FORWARD_NAN = "nan:step=4,rank=1,phase=forward,module=decoder.layers.1.mlp"
 
 
+def test_megatron_rerun_fields_take_the_reproducible_verdict_and_name_the_loss_ranks():
+    """Rank 0 merges every rank's share: one rank that reproduced its fault makes the step's
+    verdict reproducible; the ranks whose loss was rejected are named in the message."""
+    share = {"mode": "validate_results", "check": "loss", "message": "found NaN in local forward loss"}
+    everyone = [{"ranks": {"global": 0}, "megatron": {"rerun": {**share, "check": "bucket norm", "verdict": "transient"}}},
+                {"ranks": {"global": 1}, "megatron": {"loss_nonfinite": True, "rerun": {**share, "verdict": "reproducible"}}},
+                {"ranks": {"global": 2}, "megatron": None}]
+    fields, note = megatron_rerun.record_fields(everyone, {})
+    assert fields["loss_nonfinite"] is True
+    assert fields["megatron_rerun"]["verdict"] == "reproducible" and fields["megatron_rerun"]["mode"] == "validate_results"
+    assert [(r["rank"], r["check"], r["verdict"]) for r in fields["megatron_rerun"]["by_rank"]] == [
+        (0, "bucket norm", "transient"), (1, "loss", "reproducible")]
+    assert "the loss was non-finite on rank(s) [1]" in note and "named first is not the suspect" in note
+    assert "found it reproducible" in note
+    # all_gradients_nonfinite's message already disclaims the parameter named first.
+    _, note = megatron_rerun.record_fields(everyone, {"all_gradients_nonfinite": True})
+    assert "not the suspect" not in note
+    assert megatron_rerun.record_fields(everyone[2:], {}) == ({}, "")
+
+
 @pytest.mark.multiproc
 def test_stock_flags_loss_nan_on_one_rank_is_the_guards_incident_with_megatrons_verdict(loop_kind, request,
                                                                                       tmp_path):
@@ -609,6 +630,9 @@ def test_stock_flags_loss_nan_on_one_rank_is_the_guards_incident_with_megatrons_
     assert incident["megatron_rerun"]["verdict"] == "reproducible"
     [rerun] = incident["megatron_rerun"]["by_rank"]
     assert rerun["rank"] == 1 and rerun["check"] == "loss" and "NaN" in rerun["message"]
+    _, entered, _, done = diagnosis(incident)
+    assert entered.startswith("  entered at: the forward pass (the loss was non-finite)") and "not the suspect" in entered
+    assert "Megatron's rerun in place: reproducible" in done
     logged = iterations(output)
     assert sorted(logged) == [1, 2, 3, 4, 5, 6]
     assert "number of skipped iterations:   1" in logged[4]
