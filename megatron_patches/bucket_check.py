@@ -50,9 +50,13 @@ _scope: contextvars.ContextVar[Optional[_Scope]] = contextvars.ContextVar("megat
 
 def owns(monitor: Guard, check_for_nan_or_inf: bool) -> bool:
     """Whether the guard takes this check over: Megatron's NaN check on, a step the guard checks."""
+    return bool(check_for_nan_or_inf) and checks_nonfinite(monitor)
+
+
+def checks_nonfinite(monitor: Guard) -> bool:
+    """Whether the guard checks the step whose gradients are being made for NaN/Inf."""
     config = monitor.config
-    return (bool(check_for_nan_or_inf) and config.detectors.nonfinite.enabled
-            and monitor.upcoming_step() % config.check_interval == 0)
+    return config.detectors.nonfinite.enabled and monitor.upcoming_step() % config.check_interval == 0
 
 
 def check_grads(monitor: Guard, group: Any, call: Callable[[], Any]) -> Any:

@@ -55,17 +55,11 @@ _rejected: Optional[_Rejected] = None
 _loss_rejected_at: Optional[int] = None
 
 
-def owns_step(monitor: Guard) -> bool:
-    """A step the guard checks for NaN/Inf (Megatron's validations there are the guard's to decide)."""
-    config = monitor.config
-    return config.detectors.nonfinite.enabled and monitor.upcoming_step() % config.check_interval == 0
-
-
 def validate(monitor: Guard, machine: Any, arguments: dict, call: Callable[..., Any]) -> Any:
     """``validate_result`` with ``arguments`` (bound, without self); ``call(**changes)`` runs
     Megatron's with some arguments changed."""
     rejection = arguments["rejection_func"]
-    if rejection not in (torch.isnan, torch.isinf) or not owns_step(monitor):
+    if rejection not in (torch.isnan, torch.isinf) or not bucket_check.checks_nonfinite(monitor):
         return call()
     check = BUCKET_NORM if bucket_check.active() else LOSS
     mode = str(getattr(machine.get_mode(), "value", machine.get_mode()))
@@ -103,10 +97,10 @@ def validate(monitor: Guard, machine: Any, arguments: dict, call: Callable[..., 
 
 
 def _rejects(rejection: Callable, result: Any, check: str) -> bool:
-    """Megatron's own test of the result. A bucket norm's NaN and Inf tests share the bucket
-    check's one host read."""
-    if check == BUCKET_NORM:
-        return bucket_check.takes_over(result, rejection)
+    """Megatron's own test of the result. A finite bucket norm is known from the bucket check's
+    one host read (shared by its NaN and Inf tests); only a non-finite one is read again."""
+    if check == BUCKET_NORM and not bucket_check.takes_over(result, rejection):
+        return False
     return bool(rejection(result))
 
 
@@ -135,13 +129,16 @@ def rerunning() -> bool:
 
 
 def part(step: int) -> Optional[dict]:
-    """This rank's share of the incident of ``step``: the loss it rejected, Megatron's verdict."""
+    """This rank's share of the incident of ``step`` (the loss it rejected, Megatron's verdict),
+    taken once: a step reached again later starts with nothing."""
+    global _rejected, _loss_rejected_at
     out: dict[str, Any] = {}
     if _loss_rejected_at == step:
         out["loss_nonfinite"] = True
     if _rejected is not None and _rejected.step == step:
         out["rerun"] = {"mode": _rejected.mode, "check": _rejected.check, "message": _rejected.message,
                         "verdict": _rejected.verdict}
+    _rejected, _loss_rejected_at = None, None
     return out or None
 
 
