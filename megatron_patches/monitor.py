@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import detectors as detector_plugins
-from . import collectives, hooks, locate, megatron_rerun, scene, served_norm
+from . import collectives, hooks, locate, scene, served_norm
 from .check import CheckStage, Verdict
 from .collectives import PeerLost
 from .decide import Responder, exit_peer_lost
@@ -37,6 +37,7 @@ from .findings import local_findings
 from .incidents import Incident, Outcome
 from .inject import Injector, parse_spec
 from .loss_scale import LossScaleWatch
+from .megatron_rerun import part as megatron_share
 from .origin import OriginWatch, PreReduction, named_grads
 from .optimizer_params import current_grads
 from .publish import Publisher
@@ -255,8 +256,9 @@ class GradMonitor:
         if self.injector.kills(ctx.step, self.rank):  # drill: this rank is lost in mid-incident
             os.kill(os.getpid(), signal.SIGKILL)
         part = {"findings": findings, "batch": self._batch, "ranks": locate.rank_info(),
+                "megatron": megatron_share(ctx.step),  # Megatron's loss check and rerun verdict
                 "pre_reduction": pre_reduction, "origin": own_origin, "checked": len(ctx.entries),
-                "injected": self.injector.fired_at(ctx.step), "megatron": megatron_rerun.part(ctx.step)}
+                "injected": self.injector.fired_at(ctx.step)}
         try:
             decision, incident = self.responder.agree(verdict, action, part, self._batch_info, self.rollbacks,
                                                       can_replay=getattr(self.executor, "in_process", False))
