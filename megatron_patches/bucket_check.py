@@ -8,13 +8,12 @@ every rank (16 when it reproduces; a RuntimeError on the faulty rank with ``--re
 disabled``), with no parameter named.
 
 While a bucket group's check runs on a step the guard checks, each NaN/Inf validation Megatron
-asks for is looked at first, on Megatron's own norm (no extra read):
-
-- finite: it goes on to the rerun machine unchanged;
-- not finite: it is kept from the machine. This rank names the non-finite parameters of the group,
-  raises its origin flag and leaves the rest to the guard's check before clipping: the reduced
-  gradient is non-finite on every rank, so that check skips the step (or rolls back when the fault
-  persists), grading by origin, and the record carries this rank's pre-reduction findings.
+asks for is looked at first, on Megatron's own norm (no extra read). A non-finite one makes this
+rank name the non-finite parameters of the group and raise its origin flag; the validation goes
+to the rerun machine as a non-fatal one (:mod:`~megatron_patches.megatron_rerun`: Megatron reruns
+the step in place, gives its verdict and carries on; with ``--rerun-mode disabled`` it is kept
+from the machine). The guard's check before clipping then skips the step (or rolls back when the
+fault persists), grading by origin, and the record carries this rank's pre-reduction findings.
 
 On steps the guard does not check (``check_interval``) Megatron's check acts as without the guard.
 """
@@ -51,9 +50,13 @@ _scope: contextvars.ContextVar[Optional[_Scope]] = contextvars.ContextVar("megat
 
 def owns(monitor: Guard, check_for_nan_or_inf: bool) -> bool:
     """Whether the guard takes this check over: Megatron's NaN check on, a step the guard checks."""
+    return bool(check_for_nan_or_inf) and checks_nonfinite(monitor)
+
+
+def checks_nonfinite(monitor: Guard) -> bool:
+    """Whether the guard checks the step whose gradients are being made for NaN/Inf."""
     config = monitor.config
-    return (bool(check_for_nan_or_inf) and config.detectors.nonfinite.enabled
-            and monitor.upcoming_step() % config.check_interval == 0)
+    return config.detectors.nonfinite.enabled and monitor.upcoming_step() % config.check_interval == 0
 
 
 def check_grads(monitor: Guard, group: Any, call: Callable[[], Any]) -> Any:
@@ -67,12 +70,17 @@ def check_grads(monitor: Guard, group: Any, call: Callable[[], Any]) -> Any:
         _scope.reset(token)
     monitor.note_bucket_check()
     if scope.norms:
+        from .megatron_rerun import rerunning
+
+        if rerunning():  # Megatron's rerun of the step in place: noted in the first run already
+            log.info("step %d: non-finite local gradient again in Megatron's rerun of the step", monitor.upcoming_step())
+            return result
         findings = nonfinite_params(group)
         monitor.note_pre_reduction(findings)
         ranks = locate.rank_info()
         names = ", ".join(f"{f.name} ({'nan' if f.nan else 'inf'} {f.nan or f.inf})" for f in findings) or "none found"
         log.warning("step %d: before the data-parallel reduction: non-finite local gradient on rank %d "
-                    "(tp %d, pp %d, dp %d), bucket norm(s) %s: %s; kept from Megatron's RerunStateMachine, "
+                    "(tp %d, pp %d, dp %d), bucket norm(s) %s: %s; not fatal to Megatron's RerunStateMachine, "
                     "the guard's check before clipping decides",
                     monitor.upcoming_step(), ranks["global"], ranks["tp"], ranks["pp"], ranks["dp"],
                     ", ".join(f"{n:g}" for n in scope.norms), names)
@@ -85,8 +93,8 @@ def active() -> bool:
 
 
 def takes_over(result: Any, rejection_func: Callable) -> bool:
-    """Called for every ``validate_result``: True when it is a NaN/Inf validation of a bucket
-    norm inside a check the guard owns, and the norm is not finite (Megatron is not told)."""
+    """For a NaN/Inf validation of a bucket norm inside a check the guard owns: True when the norm
+    is not finite (this rank's parameters are then named once the check returns)."""
     scope = _scope.get()
     if scope is None or rejection_func not in (torch.isnan, torch.isinf) or not isinstance(result, torch.Tensor):
         return False
@@ -116,8 +124,9 @@ def nonfinite_params(group: Any) -> list[ParamFinding]:
         info = infos.get(id(param))
         findings.append(ParamFinding(
             name=info.name if info else f"<unnamed {tuple(param.shape)}>", layer=info.layer if info else None,
-            shape=list(param.shape), nan=nan, inf=inf, overflow=0, norm=None, ranks=ranks, host=host,
-            device=device, order=info.order if info else -1, reasons=(["nan"] if nan else []) + (["inf"] if inf else [])))
+            shape=list(param.shape), nan=nan, inf=inf, overflow=0, norm=None, ranks=locate.param_ranks(ranks, info),
+            host=host, device=device, order=info.order if info else -1,
+            reasons=(["nan"] if nan else []) + (["inf"] if inf else [])))
     return findings
 
 

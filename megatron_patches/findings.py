@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import locate
+from . import locate, megatron_rerun
 from .detectors import CheckContext
 from .incidents import Incident, ParamFinding, finite_or_none
 from .response import Decision
@@ -129,6 +129,9 @@ def assemble(ctx: CheckContext, everyone: list, kinds: list, extra: dict, decisi
         extra["all_gradients_nonfinite"] = True
         message += ("; every gradient is non-finite: the loss or an activation went non-finite in the "
                     "forward pass, so the output layer named first is not the suspect")
+    megatron_fields, note = megatron_rerun.record_fields(everyone, extra)  # Megatron's loss check and rerun
+    extra.update(megatron_fields)
+    message += note
     if decision.origins:
         dp_of = {part["ranks"]["global"]: part["ranks"]["dp"] for part in everyone}
         reached = {dp_of.get(f.ranks["global"], f.ranks["global"]) for f in found + before}

@@ -170,15 +170,17 @@ def start_grad_sync_wrapper(wrapped, instance, args, kwargs):
 
 
 def validate_result_wrapper(wrapped, instance, args, kwargs):
-    """wrapt wrapper for ``RerunStateMachine.validate_result``: passes through, except a
-    non-finite bucket norm inside a ``check_grads`` the guard owns (the rerun machine is not told)."""
-    from . import bucket_check
+    """wrapt wrapper for ``RerunStateMachine.validate_result``: on the steps the guard checks,
+    NaN/Inf validations (bucket norms, the loss) are not fatal; Megatron's verdict is kept
+    (:mod:`megatron_patches.megatron_rerun`). Everything else passes through."""
+    if _monitor is None:
+        return wrapped(*args, **kwargs)
+    from . import megatron_rerun
 
-    if _monitor is not None and bucket_check.active():
-        bound = _bind(wrapped, instance, args, kwargs).arguments
-        if bucket_check.takes_over(bound["result"], bound["rejection_func"]):
-            return None
-    return wrapped(*args, **kwargs)
+    arguments = dict(_bind(wrapped, instance, args, kwargs).arguments)
+    arguments.pop("self", None)
+    return megatron_rerun.validate(_monitor, instance, arguments,
+                                   lambda **changes: wrapped(**{**arguments, **changes}))
 
 
 # --- decorators used by the source patch (patches/*/0002-optimizer-hooks.patch) -----------

@@ -78,6 +78,9 @@ def diagnosis(rec: dict) -> list[str]:
                      + (f" (layer {layer})" if isinstance(layer, int) else "")
                      + f" on rank(s) {forward.get('ranks')}, found by the replay; backward carried it to the "
                      + "gradients" + (f" (first: {text_of(first.get('name'))})" if first else ""))
+    elif rec.get("loss_nonfinite") is True:
+        lines.append("  entered at: the forward pass (the loss was non-finite); not located further"
+                     + (f"; {text_of(first.get('name'))}, named first, is not the suspect" if first else ""))
     elif rec.get("all_gradients_nonfinite") is True:
         lines.append("  entered at: the forward pass (every gradient is non-finite, so the loss or an activation "
                      "broke first); without a replay not located further"
@@ -105,6 +108,9 @@ def diagnosis(rec: dict) -> list[str]:
         meaning = {"deterministic": "the same batch reproduced it: suspect data or code",
                    "transient": "the replay was clean: suspect hardware or a race"}.get(str(replay["verdict"]), "")
         done.append(f"replay {replay['verdict']}" + (f" ({meaning})" if meaning else ""))
+    rerun = rec.get("megatron_rerun") if isinstance(rec.get("megatron_rerun"), dict) else None
+    if rerun and rerun.get("verdict"):
+        done.append(f"Megatron's rerun in place: {rerun['verdict']}")
     if isinstance(rec.get("rolled_back_to"), int):
         done.append(f"rolled back to the healthy checkpoint of step {rec['rolled_back_to']}"
                     + (f", learning rate x{rec['lr_scale']:g}" if isinstance(rec.get("lr_scale"), (int, float)) else ""))

@@ -36,6 +36,7 @@ from .config import Config
 from .findings import local_findings
 from .incidents import Incident, Outcome
 from .loss_scale import LossScaleWatch
+from .megatron_rerun import part as megatron_share
 from .origin import OriginWatch, PreReduction, named_grads
 from .optimizer_params import current_grads
 from .publish import Publisher
@@ -257,6 +258,7 @@ class GradMonitor:
         if inject.active().kills(ctx.step, self.rank):  # drill: this rank is lost in mid-incident
             os.kill(os.getpid(), signal.SIGKILL)
         part = {"findings": findings, "batch": self._batch, "ranks": locate.rank_info(),
+                "megatron": megatron_share(ctx.step),  # Megatron's loss check and rerun verdict
                 "pre_reduction": pre_reduction, "origin": own_origin, "checked": len(ctx.entries),
                 "injected": inject.active().fired_at(ctx.step)}
         try:

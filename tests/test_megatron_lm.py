@@ -23,7 +23,8 @@ import pytest
 
 from megatron_patches.testing.pretrain_cpu import TINY_GPT_ARGS
 
-from megatron_patches import checkpoint
+from megatron_patches import checkpoint, megatron_rerun
+from megatron_patches.report import diagnosis
 from megatron_patches.integrations import megatron_lm
 from megatron_patches.recovery import LEDGER_FILE, Ledger
 
@@ -452,14 +453,25 @@ def one_off_local_nan(loop: Loop, tmp_path: Path, *extra: str, megatrons_check: 
     proc = loop.run(env, *extra)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
-    # Megatron's rerun machine is not asked: no rerun, no "possible transient error", no exit 17.
-    assert "Need to rerun step" not in output and "Possible transient error" not in output
     if megatrons_check:
+        # Megatron's rerun machine reran the step in place and called it transient; not fatal, so no
+        # exit 17: its verdict is the record's.
+        assert "Need to rerun step" in output and "Possible transient error" in output
+        assert "Continuing normal execution because failed validation was not fatal" in output
         assert re.search(rf"before the data-parallel reduction: non-finite local gradient on rank 1 .*{FC1}", output)
+    else:  # nothing of Megatron's looked at the gradients: no rerun
+        assert "Need to rerun step" not in output and "Possible transient error" not in output
     [incident] = incidents(tmp_path)
     assert incident["step"] == 4 and incident["kind"] == "nan" and incident["action"] == "skip_step"
     assert incident["first"]["name"] == FC1 and incident["origin_ranks"] == [1]
     assert incident["severity"] == "warning"  # one origin: below critical
+    if megatrons_check:
+        assert incident["megatron_rerun"]["verdict"] == "transient"
+        [rerun] = incident["megatron_rerun"]["by_rank"]
+        assert rerun["rank"] == 1 and rerun["check"] == "bucket norm" and rerun["mode"] == "validate_results"
+    else:
+        assert "megatron_rerun" not in incident
+    assert "loss_nonfinite" not in incident and "all_gradients_nonfinite" not in incident
     # Named where Megatron's bucket check found it: on rank 1, before the reduction spread it.
     [before] = incident["pre_reduction"]
     assert before["name"] == FC1 and before["nan"] == 1 and before["layer"] == 1
@@ -553,13 +565,15 @@ def test_stock_flags_persistent_local_nan_takes_the_guards_rollback_path(loop_ki
     loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
     first, second = rollback_run(loop, tmp_path, f"nan:step=3,count=2,rank=1,phase=local,param={FC1}")
     output = first + second
-    assert "Need to rerun step" not in output and "exitcode  : 17" not in output
+    # Megatron reruns each step in place (transient: the drill fires once a step) and carries on.
+    assert "exitcode  : 17" not in output and "exitcode  : 16" not in output
 
     assert first.count("stopping with exit code 84") == 2
     found = incidents(tmp_path)
     assert [i["step"] for i in found] == [3, 4]
     assert [i["severity"] for i in found] == ["warning", "error"] and found[1]["action"] == "rollback"
     assert all(i["origin_ranks"] == [1] and i["pre_reduction"][0]["name"] == FC1 for i in found)
+    assert [i["megatron_rerun"]["verdict"] for i in found] == ["transient", "transient"]
     assert re.search(r"successfully loaded checkpoint from .* at iteration\s+2\b", second), second[-4000:]
     assert sorted(iterations(second)) == [5, 6]
 
@@ -633,3 +647,73 @@ def test_a_marker_that_cannot_be_written_never_ends_the_job(loop_kind, request, 
     assert "checkpoint iteration 2 could not be marked" in output and "guard state" in output
     assert sorted(iterations(output)) == [1, 2, 3, 4]
     assert {step: ok for step, _, ok in checkpoint.list_checkpoints(str(save))} == {4: True}
+
+
+# --- a NaN in the loss with stock flags: Megatron's loss check and rerun (issue 12, items 1 and 3) ------
+
+FORWARD_NAN = "nan:step=4,rank=1,phase=forward,module=decoder.layers.1.mlp"
+
+
+def test_megatron_rerun_fields_take_the_reproducible_verdict_and_name_the_loss_ranks():
+    """Rank 0 merges every rank's share: one rank that reproduced its fault makes the step's
+    verdict reproducible; the ranks whose loss was rejected are named in the message."""
+    share = {"mode": "validate_results", "check": "loss", "message": "found NaN in local forward loss"}
+    everyone = [{"ranks": {"global": 0}, "megatron": {"rerun": {**share, "check": "bucket norm", "verdict": "transient"}}},
+                {"ranks": {"global": 1}, "megatron": {"loss_nonfinite": True, "rerun": {**share, "verdict": "reproducible"}}},
+                {"ranks": {"global": 2}, "megatron": None}]
+    fields, note = megatron_rerun.record_fields(everyone, {})
+    assert fields["loss_nonfinite"] is True
+    assert fields["megatron_rerun"]["verdict"] == "reproducible" and fields["megatron_rerun"]["mode"] == "validate_results"
+    assert [(r["rank"], r["check"], r["verdict"]) for r in fields["megatron_rerun"]["by_rank"]] == [
+        (0, "bucket norm", "transient"), (1, "loss", "reproducible")]
+    assert "the loss was non-finite on rank(s) [1]" in note and "named first is not the suspect" in note
+    assert "found it reproducible" in note
+    # all_gradients_nonfinite's message already disclaims the parameter named first.
+    _, note = megatron_rerun.record_fields(everyone, {"all_gradients_nonfinite": True})
+    assert "not the suspect" not in note
+    assert megatron_rerun.record_fields(everyone[2:], {}) == ({}, "")
+
+
+@pytest.mark.multiproc
+def test_stock_flags_loss_nan_on_one_rank_is_the_guards_incident_with_megatrons_verdict(loop_kind, request,
+                                                                                      tmp_path):
+    """Rank 1's forward pass goes NaN at iteration 4 (so does its loss): Megatron's loss check
+    reruns the step in place, finds it reproducible and, not fatal on a checked step, carries on
+    instead of saving a checkpoint and exiting 16. The guard skips the step; the record says the
+    loss was non-finite and that the parameter named first is not the suspect."""
+    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
+    proc = loop.run(guard_env(tmp_path, inject=[FORWARD_NAN]))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "Need to rerun step" in output and "Saving a checkpoint and exiting now" not in output
+    [incident] = incidents(tmp_path)
+    assert incident["step"] == 4 and incident["action"] == "skip_step" and incident["severity"] == "warning"
+    assert incident["origin_ranks"] == [1]
+    assert incident["loss_nonfinite"] is True and incident["all_gradients_nonfinite"] is True
+    assert "the loss was non-finite on rank(s) [1]" in incident["message"]
+    assert "named first is not the suspect" in incident["message"]
+    assert incident["megatron_rerun"]["verdict"] == "reproducible"
+    [rerun] = incident["megatron_rerun"]["by_rank"]
+    assert rerun["rank"] == 1 and rerun["check"] == "loss" and "NaN" in rerun["message"]
+    _, entered, _, done = diagnosis(incident)
+    assert entered.startswith("  entered at: the forward pass (the loss was non-finite)") and "not the suspect" in entered
+    assert "Megatron's rerun in place: reproducible" in done
+    logged = iterations(output)
+    assert sorted(logged) == [1, 2, 3, 4, 5, 6]
+    assert "number of skipped iterations:   1" in logged[4]
+    losses = [float(re.search(r"lm loss: ([^ ]+)", logged[i]).group(1)) for i in (5, 6)]
+    assert all(loss == loss and loss < 100 for loss in losses), losses
+
+
+@pytest.mark.multiproc
+def test_loss_nan_on_a_step_the_guard_does_not_check_is_left_to_megatron(loop_kind, request, tmp_path):
+    """check_interval 5: iteration 4 is not checked, so Megatron's loss check acts as without the
+    guard (reproducible: a checkpoint and exit 16) and the guard records nothing."""
+    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
+    save = tmp_path / "ckpt"
+    proc = loop.run(guard_env(tmp_path, inject=[FORWARD_NAN], check_interval=5),
+                    "--save", str(save), "--save-interval", "100", *loop.checkpoint_format())
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "exitcode  : 16" in output, output[-4000:]
+    assert "Saving a checkpoint and exiting now" in output
+    assert incidents(tmp_path) == []

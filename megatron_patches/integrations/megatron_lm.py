@@ -157,11 +157,10 @@ class MegatronLMSession:
 def _advise(args: Any) -> None:
     if getattr(args, "check_for_nan_in_loss_and_grad", False):
         log.info("Megatron-LM's own NaN/Inf check is on (--check-for-nan-in-loss-and-grad, the "
-                 "default): a non-finite gradient bucket before the data-parallel reduction is "
-                 "megatron_patches' to handle on the steps it checks (named on its origin rank, "
-                 "then skipped or rolled back); a NaN/Inf in the loss is still handled by "
-                 "Megatron's RerunStateMachine (RuntimeError, or exit 16/17) before "
-                 "megatron_patches sees the step.")
+                 "default): on the steps megatron_patches checks, a non-finite gradient bucket or "
+                 "loss is not fatal to Megatron's RerunStateMachine (it reruns the step in place and "
+                 "its verdict goes into the record); megatron_patches names the origin rank and "
+                 "skips or rolls back. On the other steps Megatron acts alone (exit 16/17).")
 
 
 def _refuse_unsupported(args: Any, optimizer: Any) -> None:

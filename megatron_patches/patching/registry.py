@@ -123,9 +123,10 @@ TARGETS: tuple[PatchTarget, ...] = (
         "megatron.core.rerun_state_machine",
         "RerunStateMachine.validate_result",
         hooks.validate_result_wrapper,
-        "Where check_grads hands Megatron's bucket norm over: inside a check the guard owns, a "
-        "non-finite norm (Megatron's own, no second pass over the gradients) is kept from the "
-        "rerun machine; every other validation passes through unchanged.",
+        "Where Megatron's NaN/Inf checks (bucket norms in check_grads, the loss in Megatron-LM's "
+        "loss function) end the job: on the steps the guard checks they are not fatal, so Megatron "
+        "reruns the step in place, gives its verdict (kept for the record) and carries on; the "
+        "guard decides on the step (megatron_patches.megatron_rerun).",
     ),
 )
 

@@ -1,0 +1,164 @@
+"""Megatron's RerunStateMachine on the steps the guard checks: its rerun and verdict, not its exit.
+
+Megatron validates results through ``RerunStateMachine.validate_result``: each gradient bucket's
+local norm right before its data-parallel collective (``check_grads``) and, in Megatron-LM's loss
+function, the loss; each once for NaN and once for Inf, with ``fatal=True``. With
+``--rerun-mode validate_results`` (the default) a rejected result makes every rank rerun the
+step in place (RNG state and data iterator restored), and the rank that rejected it compares the
+rerun's result with the first one: different -> "possible transient error", exit 17; the same ->
+a checkpoint and exit 16. Either way the job ends and the guard never sees the step.
+
+On a step the guard checks, those NaN/Inf validations go to the machine with ``fatal=False`` and
+nothing else changed. Megatron still reruns the step in place and compares; then, the failure
+being non-fatal, it continues in the same process instead of exiting. This rank watches the
+comparison (Megatron's own, or its default for 0-dim tensors) and keeps the verdict for the
+incident record (``megatron_rerun``); a rejected loss is recorded too (``loss_nonfinite``). The
+guard's check before clipping then decides on the step as usual: after a transient fault the
+rank whose bucket was non-finite is still an origin, so the step is skipped; after a
+reproducible one the gradients are non-finite again (skipped, rolled back when it persists).
+
+With ``--rerun-mode disabled`` Megatron would raise on the rejecting rank alone; there a
+rejected result is kept from the machine and the guard decides on every rank. Other validations (unexpectedly large values) and the determinism-stats mode pass through
+unchanged, as does everything on the steps the guard does not check.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import bucket_check
+from .protocols import Guard
+
+log = logging.getLogger("megatron_patches")
+
+BUCKET_NORM, LOSS = "bucket norm", "loss"
+TRANSIENT, REPRODUCIBLE = "transient", "reproducible"
+
+
+@dataclass
+class _Rejected:
+    """The validation Megatron rejected on this rank in one step (it asks for a rerun for the first)."""
+
+    step: int
+    check: str
+    message: str
+    mode: str
+    verdict: Optional[str] = None
+    """Megatron's, once its rerun in place compared the two results."""
+
+
+_rejected: Optional[_Rejected] = None
+_loss_rejected_at: Optional[int] = None
+
+
+def validate(monitor: Guard, machine: Any, arguments: dict, call: Callable[..., Any]) -> Any:
+    """``validate_result`` with ``arguments`` (bound, without self); ``call(**changes)`` runs
+    Megatron's with some arguments changed."""
+    rejection = arguments["rejection_func"]
+    if rejection not in (torch.isnan, torch.isinf) or not bucket_check.checks_nonfinite(monitor):
+        return call()
+    check = BUCKET_NORM if bucket_check.active() else LOSS
+    mode = str(getattr(machine.get_mode(), "value", machine.get_mode()))
+    step, result, message = monitor.upcoming_step(), arguments["result"], arguments["message"]
+    if check == BUCKET_NORM:
+        bucket_check.takes_over(result, rejection)  # names the bucket's parameters, raises the origin flag
+    if mode == "disabled":
+        # Megatron would only test the result and raise on this rank: test it here, once.
+        if _rejects(rejection, result, check):
+            _note(step, check, message, mode)
+        return None
+    if mode != "validate_results":
+        return call()
+
+    def rejected(value: Any) -> bool:  # Megatron asks only on the initial run, before any rejection
+        verdict = _rejects(rejection, value, check)
+        if verdict:
+            _note(step, check, message, mode)
+        return verdict
+
+    compare = arguments.get("comparison_func") or _default_comparison()
+    tolerance = arguments.get("tolerance", 0.0)
+
+    def compared(initial: Any, rerun: Any) -> float:  # the rerun in place reached the rejected call
+        difference = compare(initial, rerun)
+        if _rejected is not None and _rejected.step == step:
+            _rejected.verdict = TRANSIENT if difference > tolerance else REPRODUCIBLE
+            log.warning("step %d: Megatron's rerun of the step in place: the %s is %s (%s); the job goes "
+                        "on in this process, the guard's check before clipping decides", step, check,
+                        "finite now: a transient fault" if _rejected.verdict == TRANSIENT
+                        else "the same again: reproducible", message)
+        return difference
+
+    return call(fatal=False, rejection_func=rejected, comparison_func=compared)
+
+
+def _rejects(rejection: Callable, result: Any, check: str) -> bool:
+    """Megatron's own test of the result. A finite bucket norm is known from the bucket check's
+    one host read (shared by its NaN and Inf tests); only a non-finite one is read again."""
+    if check == BUCKET_NORM and not bucket_check.takes_over(result, rejection):
+        return False
+    return bool(rejection(result))
+
+
+def _note(step: int, check: str, message: str, mode: str) -> None:
+    global _rejected, _loss_rejected_at
+    if check == LOSS:
+        _loss_rejected_at = step
+    if _rejected is None or _rejected.step != step:
+        _rejected = _Rejected(step, check, message, mode)
+
+
+def _default_comparison() -> Callable[[Any, Any], float]:
+    """The comparison Megatron uses when the caller gives none (0-dim float tensors)."""
+    from megatron.core import rerun_state_machine
+
+    return rerun_state_machine._compare_floats
+
+
+def rerunning() -> bool:
+    """Whether Megatron is rerunning the current step in place (its findings were noted already)."""
+    try:
+        from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
+    except ImportError:
+        return False
+    return getattr(get_rerun_state_machine(), "state", None) == RerunState.RERUNNING_IN_PLACE
+
+
+def part(step: int) -> Optional[dict]:
+    """This rank's share of the incident of ``step`` (the loss it rejected, Megatron's verdict),
+    taken once: a step reached again later starts with nothing."""
+    global _rejected, _loss_rejected_at
+    out: dict[str, Any] = {}
+    if _loss_rejected_at == step:
+        out["loss_nonfinite"] = True
+    if _rejected is not None and _rejected.step == step:
+        out["rerun"] = {"mode": _rejected.mode, "check": _rejected.check, "message": _rejected.message,
+                        "verdict": _rejected.verdict}
+    _rejected, _loss_rejected_at = None, None
+    return out or None
+
+
+def record_fields(everyone: list, extra: dict) -> tuple[dict, str]:
+    """Rank 0: the record fields from every rank's :func:`part`, and what the message adds to
+    the one made with ``extra`` (the fields found so far)."""
+    shares = [(p["ranks"]["global"], p["megatron"]) for p in everyone if p.get("megatron")]
+    fields: dict[str, Any] = {}
+    note = ""
+    loss_ranks = [rank for rank, share in shares if share.get("loss_nonfinite")]
+    if loss_ranks:
+        fields["loss_nonfinite"] = True
+        note += f"; the loss was non-finite on rank(s) {loss_ranks}: the fault entered in the forward pass"
+        if not extra.get("all_gradients_nonfinite"):  # that message says it already
+            note += ", so the parameter named first is not the suspect"
+    reruns = [{"rank": rank, **share["rerun"]} for rank, share in shares if share.get("rerun")]
+    if reruns:
+        verdicts = [r["verdict"] for r in reruns]
+        verdict = (REPRODUCIBLE if REPRODUCIBLE in verdicts else TRANSIENT if TRANSIENT in verdicts else None)
+        fields["megatron_rerun"] = {"mode": reruns[0]["mode"], "verdict": verdict, "by_rank": reruns}
+        if verdict is not None:
+            note += f"; Megatron's rerun of the step in place found it {verdict}"
+    return fields, note
