@@ -147,10 +147,15 @@ def gather_origin(trace: ForwardTrace, timeout_s: float) -> Optional[dict]:
     except PeerLost as error:
         log.warning("forward origin not located: %s", error)
         return None
+    return earliest(everyone)
+
+
+def earliest(everyone: list) -> Optional[dict]:
+    """``{"module", "layer", "ranks"}`` of the earliest pipeline stage's first non-finite module
+    among ``[{"rank", "first"}]`` (each rank's :meth:`ForwardTrace.first`), or None."""
     found = [part for part in everyone if part["first"] is not None]
     if not found:
         return None
-    earliest = min(found, key=lambda part: (part["first"]["stage"], part["rank"]))["first"]
-    ranks = sorted(part["rank"] for part in found if part["first"] == earliest)
-    layer = locate.layer_of(earliest["module"])
-    return {"module": earliest["module"], "layer": layer, "ranks": ranks}
+    first = min(found, key=lambda part: (part["first"]["stage"], part["rank"]))["first"]
+    ranks = sorted(part["rank"] for part in found if part["first"] == first)
+    return {"module": first["module"], "layer": locate.layer_of(first["module"]), "ranks": ranks}

@@ -183,6 +183,17 @@ def validate_result_wrapper(wrapped, instance, args, kwargs):
                                    lambda **changes: wrapped(**{**arguments, **changes}))
 
 
+def should_run_forward_backward_wrapper(wrapped, instance, args, kwargs):
+    """wrapt wrapper for ``RerunStateMachine.should_run_forward_backward``: while Megatron reruns a
+    checked step in place, the guard watches the forward pass (:mod:`megatron_patches.megatron_rerun`)."""
+    again = wrapped(*args, **kwargs)
+    if _monitor is not None:
+        from . import megatron_rerun
+
+        megatron_rerun.after_should_run(_monitor, instance, again)
+    return again
+
+
 # --- decorators used by the source patch (patches/*/0002-optimizer-hooks.patch) -----------
 
 

@@ -76,7 +76,9 @@ def diagnosis(rec: dict) -> list[str]:
         layer = forward.get("layer")
         lines.append(f"  entered at: the forward pass, output of {text_of(forward.get('module'))}"
                      + (f" (layer {layer})" if isinstance(layer, int) else "")
-                     + f" on rank(s) {forward.get('ranks')}, found by the replay; backward carried it to the "
+                     + f" on rank(s) {forward.get('ranks')}, found by "
+                     + ("Megatron's rerun in place" if isinstance(rec.get("megatron_rerun"), dict) else "the replay")
+                     + "; backward carried it to the "
                      + "gradients" + (f" (first: {text_of(first.get('name'))})" if first else ""))
     elif rec.get("loss_nonfinite") is True:
         lines.append("  entered at: the forward pass (the loss was non-finite); not located further"

@@ -17,6 +17,12 @@ guard's check before clipping then decides on the step as usual: after a transie
 rank whose bucket was non-finite is still an origin, so the step is skipped; after a
 reproducible one the gradients are non-finite again (skipped, rolled back when it persists).
 
+Megatron's rerun in place is also the guard's replay: while it runs on a checked step, a
+:class:`~megatron_patches.forward_origin.ForwardTrace` watches every module of this rank's
+chunks (:func:`after_should_run`, on ``should_run_forward_backward``), so when the loss went
+non-finite the record names the first module whose output did (``forward_origin``), as an
+in-process replay does in the harness. Nothing is hooked outside that rerun.
+
 With ``--rerun-mode disabled`` Megatron would raise on the rejecting rank alone; there a
 rejected result is kept from the machine and the guard decides on every rank. Other validations (unexpectedly large values) and the determinism-stats mode pass through
 unchanged, as does everything on the steps the guard does not check.
@@ -53,6 +59,10 @@ class _Rejected:
 
 _rejected: Optional[_Rejected] = None
 _loss_rejected_at: Optional[int] = None
+_trace: Optional[tuple[int, Any]] = None
+"""(step, ForwardTrace) while Megatron reruns a checked step in place."""
+_forward_first: Optional[tuple[int, dict]] = None
+"""(step, this rank's first non-finite module in that rerun: ``{"module", "stage"}``)."""
 
 
 def validate(monitor: Guard, machine: Any, arguments: dict, call: Callable[..., Any]) -> Any:
@@ -119,6 +129,30 @@ def _default_comparison() -> Callable[[Any, Any], float]:
     return rerun_state_machine._compare_floats
 
 
+def after_should_run(monitor: Guard, machine: Any, again: bool) -> None:
+    """After each ``should_run_forward_backward`` (every rank calls it, and the decision to rerun
+    is already agreed there): a rerun in place of a checked step starts -> watch the forward pass;
+    it ended -> keep this rank's first non-finite module for the incident."""
+    global _trace, _forward_first
+    in_place = again and _state_name(machine) == "RERUNNING_IN_PLACE"
+    if _trace is not None and not in_place:
+        step, trace = _trace
+        _trace = None
+        trace.__exit__(None, None, None)
+        first = trace.first()  # one host read, once per rerun
+        _forward_first = (step, first) if first is not None else None
+    elif _trace is None and in_place and bucket_check.checks_nonfinite(monitor):
+        from . import forward_origin, hooks
+
+        chunks = [chunk for chunk_list in hooks.known_model_chunks() for chunk in chunk_list]
+        _trace = (monitor.upcoming_step(), forward_origin.ForwardTrace(chunks).__enter__())
+
+
+def _state_name(machine: Any) -> str:
+    state = getattr(machine, "state", None)
+    return str(getattr(state, "name", state))
+
+
 def rerunning() -> bool:
     """Whether Megatron is rerunning the current step in place (its findings were noted already)."""
     try:
@@ -131,14 +165,16 @@ def rerunning() -> bool:
 def part(step: int) -> Optional[dict]:
     """This rank's share of the incident of ``step`` (the loss it rejected, Megatron's verdict),
     taken once: a step reached again later starts with nothing."""
-    global _rejected, _loss_rejected_at
+    global _rejected, _loss_rejected_at, _forward_first
     out: dict[str, Any] = {}
     if _loss_rejected_at == step:
         out["loss_nonfinite"] = True
+    if _forward_first is not None and _forward_first[0] == step:
+        out["forward_first"] = _forward_first[1]
     if _rejected is not None and _rejected.step == step:
         out["rerun"] = {"mode": _rejected.mode, "check": _rejected.check, "message": _rejected.message,
                         "verdict": _rejected.verdict}
-    _rejected, _loss_rejected_at = None, None
+    _rejected, _loss_rejected_at, _forward_first = None, None, None
     return out or None
 
 
@@ -161,4 +197,12 @@ def record_fields(everyone: list, extra: dict) -> tuple[dict, str]:
         fields["megatron_rerun"] = {"mode": reruns[0]["mode"], "verdict": verdict, "by_rank": reruns}
         if verdict is not None:
             note += f"; Megatron's rerun of the step in place found it {verdict}"
+    from .forward_origin import earliest
+
+    forward = earliest([{"rank": rank, "first": share.get("forward_first")} for rank, share in shares])
+    if forward is not None:
+        fields["forward_origin"] = forward
+        note += (f"; in the rerun the forward pass first went non-finite at the output of {forward['module']}"
+                 + (f" (layer {forward['layer']})" if forward["layer"] is not None else "")
+                 + f" on rank(s) {forward['ranks']}")
     return fields, note

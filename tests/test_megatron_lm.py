@@ -680,7 +680,8 @@ def test_stock_flags_loss_nan_on_one_rank_is_the_guards_incident_with_megatrons_
     """Rank 1's forward pass goes NaN at iteration 4 (so does its loss): Megatron's loss check
     reruns the step in place, finds it reproducible and, not fatal on a checked step, carries on
     instead of saving a checkpoint and exiting 16. The guard skips the step; the record says the
-    loss was non-finite and that the parameter named first is not the suspect."""
+    loss was non-finite, that the parameter named first is not the suspect, and, from the forward
+    pass the guard watched during Megatron's rerun, which module's output went non-finite first."""
     loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
     proc = loop.run(guard_env(tmp_path, inject=[FORWARD_NAN]))
     output = proc.stdout + proc.stderr
@@ -695,8 +696,11 @@ def test_stock_flags_loss_nan_on_one_rank_is_the_guards_incident_with_megatrons_
     assert incident["megatron_rerun"]["verdict"] == "reproducible"
     [rerun] = incident["megatron_rerun"]["by_rank"]
     assert rerun["rank"] == 1 and rerun["check"] == "loss" and "NaN" in rerun["message"]
+    assert incident["forward_origin"] == {"module": "decoder.layers.1.mlp", "layer": 1, "ranks": [1]}
+    assert "first went non-finite at the output of decoder.layers.1.mlp (layer 1) on rank(s) [1]" in incident["message"]
     _, entered, _, done = diagnosis(incident)
-    assert entered.startswith("  entered at: the forward pass (the loss was non-finite)") and "not the suspect" in entered
+    assert entered.startswith("  entered at: the forward pass, output of decoder.layers.1.mlp (layer 1) on rank(s) [1], "
+                              "found by Megatron's rerun in place"), entered
     assert "Megatron's rerun in place: reproducible" in done
     logged = iterations(output)
     assert sorted(logged) == [1, 2, 3, 4, 5, 6]

@@ -128,6 +128,14 @@ TARGETS: tuple[PatchTarget, ...] = (
         "reruns the step in place, gives its verdict (kept for the record) and carries on; the "
         "guard decides on the step (megatron_patches.megatron_rerun).",
     ),
+    PatchTarget(
+        "megatron.core.rerun_state_machine",
+        "RerunStateMachine.should_run_forward_backward",
+        hooks.should_run_forward_backward_wrapper,
+        "Where Megatron starts and ends its rerun of a step in place: on a checked step the guard "
+        "watches that rerun's forward pass for the first non-finite module output "
+        "(megatron_patches.megatron_rerun, forward_origin).",
+    ),
 )
 
 _TRAINING = "megatron.training.training"
