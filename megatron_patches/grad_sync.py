@@ -45,7 +45,9 @@ def group_params(group: Any) -> list:
 
 def start_grad_sync(monitor: Any, group: Any, call: Callable[[], Any]) -> Any:
     """Run ``start_grad_sync`` for ``group`` after this rank's part before the collective."""
-    if not (group.is_first_batch and group.grad_reduce_handle is not None):  # else Megatron's no-op
+    # From core 0.16 a group's second start in its first batch is a no-op (``is_first_batch``,
+    # absent before): nothing to do then, the collective is already under way.
+    if not (getattr(group, "is_first_batch", False) and group.grad_reduce_handle is not None):
         ddp_config = group.ddp_config
         if not bucket_check.owns(monitor, ddp_config.check_for_nan_in_grad):
             _before_collective(monitor, group)
