@@ -4,7 +4,9 @@ megatron-core assumes CUDA in a handful of places: tensors created with ``device
 or an integer device, ``torch.cuda.current_device()``, the CUDA RNG tracker of the
 tensor-parallel layers, ``param.type() == 'torch.cuda.FloatTensor'`` checks in the
 optimizer, and CUDA streams. :func:`install` redirects exactly those to the CPU so that
-the real model, DDP, optimizer and schedules train on CPU with gloo. Nothing here is
+the real model, DDP, optimizer and schedules train on CPU with gloo. One more is not about
+CUDA: core 0.12's ``quantize_param_shard`` (called by every distributed-optimizer step) raises
+without Transformer Engine even when there are no FP8 parameters; with none it now returns. Nothing here is
 installed by importing this module, and :func:`uninstall` restores every attribute.
 
 This is a test runtime: it makes numbers come out of real megatron-core code on
@@ -14,6 +16,8 @@ machines without an accelerator. It is not a way to train at speed.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import threading
 from typing import Any, Callable
 
@@ -146,7 +150,25 @@ def _redirects() -> list[tuple[Any, str, Any]]:
         (tp_random, "_set_cuda_rng_state", _set_cpu_rng_state),
         (torch.Tensor, "type", _tensor_type(torch.Tensor.type)),
     ]
+    from megatron.core.optimizer import distrib_optimizer
+
+    if "quantize_param_shard" in distrib_optimizer.__dict__:
+        quantize = _nothing_to_quantize_without_fp8_params(distrib_optimizer.quantize_param_shard)
+        items.append((distrib_optimizer, "quantize_param_shard", quantize))
     return items
+
+
+def _nothing_to_quantize_without_fp8_params(original: Callable) -> Callable:
+    """core 0.12's ``quantize_param_shard`` raises without Transformer Engine even with no FP8 params."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        if len(signature.bind(*args, **kwargs).arguments["model_params"]) == 0:
+            return None
+        return original(*args, **kwargs)
+
+    return wrapper
 
 
 def install() -> None:

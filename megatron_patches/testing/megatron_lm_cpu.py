@@ -17,8 +17,6 @@ checkout assumes CUDA in a few more places, each redirected here and nowhere els
   checkpoint asserts in ``DistributedOptimizer.state_dict`` because the fresh torch optimizer has
   no ``step`` yet; the optimizer state is created first (see
   :func:`_with_optimizer_state_before_load`).
-- core 0.12's ``quantize_param_shard`` (called by every distributed-optimizer step) raises
-  without Transformer Engine even when there are no FP8 parameters; with none it now returns.
 - ``set_jit_fusion_options`` warms up the bias-GeLU/bias-dropout fusions with ``torch.compile``
   (~25 s on two CPU cores) even when the command line turns them off; the warm-up is skipped.
 
@@ -164,19 +162,6 @@ def _with_optimizer_state_before_load(original: Callable) -> Callable:
     return wrapper
 
 
-def _nothing_to_quantize_without_fp8_params(original: Callable) -> Callable:
-    """core 0.12's ``quantize_param_shard`` raises without Transformer Engine even with no FP8 params."""
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        if len(signature.bind(*args, **kwargs).arguments["model_params"]) == 0:
-            return None
-        return original(*args, **kwargs)
-
-    return wrapper
-
-
 def _redirects() -> list[tuple[Any, str, Any]]:
     from megatron.core.datasets import utils as dataset_utils
     from megatron.core.optimizer import distrib_optimizer
@@ -194,9 +179,6 @@ def _redirects() -> list[tuple[Any, str, Any]]:
     fused_kernels = initialize.__dict__.get("fused_kernels")  # megatron.legacy, gone in main
     if fused_kernels is not None:
         items.append((fused_kernels, "load", _skip_fused_kernels))
-    if "quantize_param_shard" in distrib_optimizer.__dict__:
-        quantize = _nothing_to_quantize_without_fp8_params(distrib_optimizer.quantize_param_shard)
-        items.append((distrib_optimizer, "quantize_param_shard", quantize))
     if not distrib_optimizer.HAVE_APEX_OR_TE:
         owner = distrib_optimizer.DistributedOptimizer
         items.append(
