@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -110,8 +111,8 @@ def takes_over(result: Any, rejection_func: Callable) -> bool:
 
 def nonfinite_params(group: Any) -> list[ParamFinding]:
     """This rank's parameters in ``group`` whose local gradient holds NaN/Inf (the fault path)."""
-    params = [p for bucket in group.buckets for p in bucket.params_list]
-    infos = _names(params)
+    params = group_params(group)
+    infos = names_of(params)
     ranks, host, device = locate.rank_info(), locate.host(), locate.device_name()
     findings = []
     for param in params:
@@ -134,21 +135,32 @@ def _inject(monitor: Guard, group: Any) -> None:
     """``phase=local`` drills due now, into this group's gradients before Megatron takes its norm.
     Under ``--overlap-grad-reduce`` this runs during backward, the last moment before the
     collective; without it ``finalize_model_grads`` came first and has fired them already."""
-    drills = inject.active()
-    if not drills:
-        return
-    params = [p for bucket in group.buckets for p in bucket.params_list]
-    infos = _names(params)
-    grads = []
-    for param in params:
-        grad = model_grad(param)
-        if grad is not None and id(param) in infos:
-            grads.append((infos[id(param)].name, infos[id(param)].order, grad))
-    fired = drills.apply(monitor.upcoming_step(), "local", monitor.rank, grads, part=True)
+    if inject.active():
+        fire_local_drills(monitor, group_params(group))
+
+
+def fire_local_drills(monitor: Guard, params: list) -> None:
+    """Fire the ``phase=local`` drills due now whose targets are among ``params`` (one bucket group)."""
+    infos = names_of(params)
+    grads = [(infos[id(p)].name, infos[id(p)].order, g) for p in params
+             if (g := model_grad(p)) is not None and id(p) in infos]
+    fired = inject.active().apply(monitor.upcoming_step(), "local", monitor.rank, grads, part=True)
     monitor.counters["injected"] += len(fired)
 
 
-def _names(params: list) -> dict:
+_params: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
+"""Each bucket group's parameters (fixed for the group's life), in bucket order."""
+
+
+def group_params(group: Any) -> list:
+    """The parameters of ``group``'s buckets, listed once per group."""
+    params = _params.get(group)
+    if params is None:
+        params = _params[group] = [p for bucket in group.buckets for p in bucket.params_list]
+    return params
+
+
+def names_of(params: list) -> dict:
     """Names from the model chunks the optimizer was built for (the chunks holding ``params``)."""
     wanted = {id(p) for p in params}
     for chunks in hooks.known_model_chunks():

@@ -23,25 +23,11 @@ step :func:`megatron_patches.bucket_check.owns` leaves alone; where it owns the 
 from __future__ import annotations
 
 import inspect
-import weakref
 from typing import Any, Callable
 
 import torch
 
-from . import bucket_check, inject, locate
-from .optimizer_params import model_grad
-
-_params: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
-"""Each bucket group's parameters (fixed for the group's life), in bucket order."""
-
-
-def group_params(group: Any) -> list:
-    """The parameters of ``group``'s buckets, listed once per group."""
-    params = _params.get(group)
-    if params is None:
-        params = _params[group] = [p for bucket in group.buckets for p in bucket.params_list]
-    return params
-
+from . import bucket_check, inject
 
 def start_grad_sync(monitor: Any, group: Any, call: Callable[[], Any]) -> Any:
     """Run ``start_grad_sync`` for ``group`` after this rank's part before the collective."""
@@ -61,13 +47,10 @@ def _before_collective(monitor: Any, group: Any) -> None:
     origin = step % monitor.config.check_interval == 0 and monitor.origin.active()
     if not (drills or origin):  # one replica, a step not checked: nothing is read
         return
-    params = group_params(group)
+    params = bucket_check.group_params(group)
     _wait_for_replayed_grads(params)
     if drills:
-        infos = _infos(params)
-        grads = [(infos[id(p)].name, infos[id(p)].order, g) for p in params
-                 if (g := model_grad(p)) is not None and id(p) in infos]
-        monitor.counters["injected"] += len(injector.apply(step, "local", monitor.rank, grads, part=True))
+        bucket_check.fire_local_drills(monitor, params)
     if origin:
         monitor.origin.before_group(group, params, step)
 
@@ -80,23 +63,6 @@ def _wait_for_replayed_grads(params: list) -> None:
         stream = torch.cuda.current_stream()
         for event in events.values():
             stream.wait_event(event)
-
-
-def _infos(params: list) -> dict:
-    """Names from the model chunks the optimizer was built for (the chunks holding ``params``)."""
-    chunks = locate_chunks(params)
-    return locate.name_parameters(chunks) if chunks else {}
-
-
-def locate_chunks(params: list) -> list:
-    """The registered model chunks holding ``params`` (empty when none does)."""
-    from . import hooks
-
-    wanted = {id(p) for p in params}
-    for chunks in hooks.known_model_chunks():
-        if any(id(p) in wanted for chunk in chunks for p in chunk.parameters()):
-            return chunks
-    return []
 
 
 def covers(model_chunks: list) -> bool:

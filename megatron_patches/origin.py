@@ -80,15 +80,9 @@ class OriginWatch:
             return
         if self._groups_step != step:
             self._groups, self._groups_step = {}, step
-        held, grads = [], []
-        for param in params:
-            grad = model_grad(param)
-            if grad is not None and grad.numel() > 0:
-                held.append(param)
-                grads.append(grad)
-        if grads:
-            with torch.no_grad():
-                self._groups[id(group)] = (held, torch.stack(torch._foreach_norm(grads)).float())
+        held, norms = _fused_norms(params)
+        if norms is not None:
+            self._groups[id(group)] = (held, norms)
 
     def active(self) -> bool:
         """Whether a pass before the reduction can tell anything: with one replica there is
@@ -124,17 +118,25 @@ class OriginWatch:
 def _local_origin_norms(chunks: list) -> tuple[torch.Tensor, Optional[tuple]]:
     """The origin flag from one fused pass over the per-parameter gradients, and the norms,
     kept on the device: read only on the slow path, when this rank is an origin, to name them."""
-    params, grads = [], []
-    for chunk in chunks:
-        for param in chunk.parameters():
-            grad = model_grad(param)
-            if grad is not None and grad.numel() > 0:
-                params.append(param)
-                grads.append(grad)
-    if not grads:
+    params, norms = _fused_norms([param for chunk in chunks for param in chunk.parameters()])
+    if norms is None:
         return torch.zeros((), device=collective_device()), None
-    norms = torch.stack(torch._foreach_norm(grads)).float()
     return (~torch.isfinite(norms)).any().float(), (chunks, params, norms)
+
+
+def _fused_norms(params: list) -> tuple[list, Optional[torch.Tensor]]:
+    """(the parameters holding a gradient, their gradients' norms in one fused pass, on the
+    device); norms None when none holds one."""
+    held, grads = [], []
+    for param in params:
+        grad = model_grad(param)
+        if grad is not None and grad.numel() > 0:
+            held.append(param)
+            grads.append(grad)
+    if not grads:
+        return held, None
+    with torch.no_grad():
+        return held, torch.stack(torch._foreach_norm(grads)).float()
 
 
 def _norm_findings(origin_norms: Optional[tuple]) -> list[ParamFinding]:
@@ -145,10 +147,11 @@ def _norm_findings(origin_norms: Optional[tuple]) -> list[ParamFinding]:
         return []
     chunks, params, norms = origin_norms
     if chunks is None:
-        from .grad_sync import locate_chunks
+        from .bucket_check import names_of
 
-        chunks = locate_chunks(params)
-    infos = locate.name_parameters(chunks)
+        infos = names_of(params)
+    else:
+        infos = locate.name_parameters(chunks)
     ranks, host, device = locate.rank_info(), locate.host(), locate.device_name()
     findings = []
     for param, norm in zip(params, norms.tolist()):
