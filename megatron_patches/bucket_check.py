@@ -77,6 +77,11 @@ def check_grads(monitor: Guard, group: Any, call: Callable[[], Any]) -> Any:
             log.info("step %d: non-finite local gradient again in Megatron's rerun of the step", monitor.upcoming_step())
             return result
         findings = nonfinite_params(group)
+        if not findings:  # an fp16 bucket's norm overflowed; every gradient in it is finite
+            log.info("step %d: Megatron's bucket norm is %s but every local gradient in the bucket group is finite "
+                     "(the norm overflowed in the buffer's dtype); not an origin", monitor.upcoming_step(),
+                     ", ".join(f"{n:g}" for n in scope.norms))
+            return result
         monitor.note_pre_reduction(findings)
         ranks = locate.rank_info()
         names = ", ".join(f"{f.name} ({'nan' if f.nan else 'inf'} {f.nan or f.inf})" for f in findings) or "none found"

@@ -91,11 +91,16 @@ class MagnitudeConfig:
 @dataclass(frozen=True, kw_only=True)
 class LossScaleConfig:
     enabled: bool = True
-    """fp16 only: overflows the dynamic loss scaler absorbs are counted, not reported; these are."""
+    """fp16 with a dynamic loss scaler: the steps it skips are its own business (calibration from
+    the initial scale, a routine overflow), counted, not reported; a collapse or a run of skips
+    after calibration is an incident (:mod:`megatron_patches.loss_scale`). With a constant
+    ``--loss-scale`` every overflow is an incident, whatever this says."""
     min_scale: float = field(default=1.0, metadata={"check": _positive})
-    """A loss scale at or below this value is an incident (the scaler has collapsed)."""
+    """A skip with the loss scale at or below this value, or at the scaler's own floor
+    (``--min-loss-scale``), is an incident (the scaler has collapsed), calibrating or not."""
     max_consecutive_skips: int = field(default=10, metadata={"check": _at_least_one})
-    """This many overflow-skipped steps in a row is an incident."""
+    """This many skipped steps in a row, counted once a step has succeeded in the process (the
+    descent from the initial scale is not counted), is an incident."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,15 +33,17 @@ class Responder:
         self.policy = GradePolicy(config)
 
     def agree(self, verdict: Verdict, action: Action, part: dict, batch_info: dict, rollbacks: int,
-              can_replay: bool) -> tuple[Decision, Optional[Incident]]:
+              can_replay: bool, cause: Optional[Any] = None) -> tuple[Decision, Optional[Incident]]:
         """Call on every rank with this rank's ``part`` (findings, batch, ranks, pre_reduction,
-        origin, checked, injected). Returns the decision everywhere and the incident on rank 0."""
+        origin, checked, injected). Returns the decision everywhere and the incident on rank 0.
+        ``cause``: what made the step an incident beside the gradients (a
+        :class:`~megatron_patches.loss_scale.ScalerEvent`), the same on every rank."""
         ctx, timeout = verdict.ctx, self.config.response.peer_timeout_s
         decision, incident = None, None
         everyone = gather_to_zero(part, timeout)
         if everyone:  # rank 0
             try:
-                decision, incident = self._decide(verdict, everyone, action, batch_info, rollbacks, can_replay)
+                decision, incident = self._decide(verdict, everyone, action, batch_info, rollbacks, can_replay, cause)
             except Exception as error:
                 log.exception("step %d: the guard failed while deciding on an incident", ctx.step)
                 decision = Decision(Severity.CRITICAL, Action.STOP, "the guard failed while deciding on "
@@ -51,7 +53,7 @@ class Responder:
         return broadcast_from_zero(decision, timeout), incident
 
     def _decide(self, verdict: Verdict, everyone: list, action: Action, batch_info: dict, rollbacks: int,
-                can_replay: bool) -> tuple[Decision, Incident]:
+                can_replay: bool, cause: Optional[Any]) -> tuple[Decision, Incident]:
         """Rank 0: grade the incident from every rank's findings and assemble it."""
         ctx = verdict.ctx
         origins, replicas = origins_of(everyone)
@@ -62,7 +64,7 @@ class Responder:
         extra: dict[str, Any] = {}
         for detector in self.detectors:
             extra.update(detector.extra(ctx, verdict.reduced[detector.name]))
-        incident = assemble(ctx, everyone, verdict.kinds, extra, decision, batch_info)
+        incident = assemble(ctx, everyone, verdict.kinds, extra, decision, batch_info, cause)
         log.warning("step %d: %s: %s -> %s (%s)", ctx.step, decision.severity, incident.message,
                     decision.action, decision.reason)
         return decision, incident

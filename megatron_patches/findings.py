@@ -106,20 +106,29 @@ def describe(kind: str, findings: list[ParamFinding], total_norm: float,
 
 
 def assemble(ctx: CheckContext, everyone: list, kinds: list, extra: dict, decision: Decision,
-             batch_info: dict) -> Incident:
+             batch_info: dict, cause: Optional[Any] = None) -> Incident:
     """Rank 0: the incident from every rank's gathered part and the decision on it. ``extra``:
-    the fields the detectors add to the record."""
+    the fields the detectors add to the record. ``cause``: an event that made the step an
+    incident beside its gradients (``kind``, ``why``, ``record_field()``: the loss scaler's); it
+    leads the kinds and the message."""
     found = [f for part in everyone for f in part["findings"]]
     before = [f for part in everyone for f in part["pre_reduction"]]
     reasons = {r for f in found + before for r in f.reasons}
     found_kinds = [k for k in _BUILT_IN_KINDS if k in reasons or (k == "magnitude" and "magnitude_total" in reasons)]
     found_kinds += [k for k in kinds if k not in found_kinds]
+    if cause is not None:
+        found_kinds.insert(0, cause.kind)
     kind = found_kinds[0] if found_kinds else "magnitude"
     extra = dict(extra)
+    if cause is not None:
+        extra[cause.kind] = cause.record_field()
     # The origin leads: a fault that entered a rank's own gradient before the reduction is
     # named there (host and device of that rank), not where the reduction carried it.
     origin = max(before, key=lambda f: f.order) if before else None
-    message = describe(kind, found, ctx.total_norm, origin=origin)
+    message = describe(found_kinds[1] if cause is not None and len(found_kinds) > 1 else kind, found,
+                       ctx.total_norm, origin=origin)
+    if cause is not None:
+        message = f"{cause.why}: {message}"
     if before:
         extra["pre_reduction"] = [asdict(f) for f in before]
     checked = sum(part["checked"] for part in everyone)

@@ -35,7 +35,7 @@ from .decide import Responder, exit_peer_lost
 from .config import Config
 from .findings import local_findings
 from .incidents import Incident, Outcome
-from .loss_scale import LossScaleWatch
+from .loss_scale import LossScaleWatch, ScalerEvent
 from .megatron_rerun import part as megatron_share
 from .origin import OriginWatch, PreReduction, named_grads
 from .optimizer_params import current_grads
@@ -177,7 +177,7 @@ class GradMonitor:
         self._step_set = False
         self._prepared.add(optimizer)
         step = self._step
-        if found_inf:  # fp16: the loss scaler found an overflow and will skip the step
+        if found_inf:  # fp16: the loss scaler found an overflow and skips the step
             return self._scaler_overflow(optimizer, step)
         self._loss_scale.clear()
         entries = self.stage.entries_for(optimizer)
@@ -249,8 +249,10 @@ class GradMonitor:
         if self.rank == 0:
             self.publisher.write_history(ctx.step, ctx.total_norm, verdict.layer_sq)
 
-    def _incident(self, verdict: Verdict, action: Action, before: PreReduction) -> None:
-        """The slow path: locate, agree on a decision, publish, and end the run if it says so."""
+    def _incident(self, verdict: Verdict, action: Action, before: PreReduction,
+                  cause: Optional[ScalerEvent] = None) -> None:
+        """The slow path: locate, agree on a decision, publish, and end the run if it says so.
+        ``cause``: the loss scaler's event that made this skipped step an incident."""
         ctx = verdict.ctx
         own_origin = before.is_origin()
         pre_reduction = before.named() if own_origin else before.findings
@@ -263,7 +265,8 @@ class GradMonitor:
                 "injected": inject.active().fired_at(ctx.step)}
         try:
             decision, incident = self.responder.agree(verdict, action, part, self._batch_info, self.rollbacks,
-                                                      can_replay=getattr(self.executor, "in_process", False))
+                                                      can_replay=getattr(self.executor, "in_process", False),
+                                                      cause=cause)
         except PeerLost as error:
             self._peer_lost(ctx.step, error)
         self.decision = decision
@@ -289,12 +292,19 @@ class GradMonitor:
                              self.rank, episode=self.rollbacks)
 
     def _scaler_overflow(self, optimizer: Any, step: int) -> bool:
+        """A step the loss scaler skips (:mod:`~megatron_patches.loss_scale`). What was seen before
+        the reduction is the scaler's business too (a scaled overflow shows on every rank): it is
+        dropped, unless the watch calls this skip an incident, which then goes the whole way
+        (parameters named, origin ranks, grading) on the unscaled gradients."""
         self.counters["scaler_overflows"] += 1
-        found = self._loss_scale.overflow(optimizer)
-        if found is not None:
-            self.counters["incidents"] += 1
-            if self.rank == 0:
-                self.publisher.write_incident(self._loss_scale.record(step, *found, self._batch_info, self._batch))
+        before = self.origin.take()
+        event = self._loss_scale.overflow(optimizer)
+        if event is None:
+            return True
+        verdict = self.stage.run(optimizer, self.stage.entries_for(optimizer), step, before.flag,
+                                 self.overflow_mode == "saturation")
+        self._incident(verdict, Action.SKIP_STEP, before, cause=event)
+        self.stage.commit(verdict, accepted=False)
         return True
 
     def _peer_lost(self, step: int, error: Exception) -> None:
@@ -311,8 +321,9 @@ class GradMonitor:
             found_inf = bool(optimizer.prepare_grads())
         self._step, self._step_set = step, False
         result = {"flagged": False, "first": None}
-        if found_inf:
-            self._scaler_overflow(optimizer, step)
+        if found_inf:  # counted; a replay makes no new incident
+            self.counters["scaler_overflows"] += 1
+            self.origin.take()
         else:
             self._loss_scale.clear()
             if step % self.config.check_interval:

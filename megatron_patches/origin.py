@@ -126,7 +126,9 @@ def _local_origin_norms(chunks: list) -> tuple[torch.Tensor, Optional[tuple]]:
 
 def _fused_norms(params: list) -> tuple[list, Optional[torch.Tensor]]:
     """(the parameters holding a gradient, their gradients' norms in one fused pass, on the
-    device); norms None when none holds one."""
+    device); norms None when none holds one. The norms are accumulated and returned in float32:
+    an fp16 gradient buffer's norm taken in fp16 overflows to Inf past 65504 while every element
+    is finite (a loss-scaled gradient does, on every rank), which is no fault of any rank."""
     held, grads = [], []
     for param in params:
         grad = model_grad(param)
@@ -136,7 +138,7 @@ def _fused_norms(params: list) -> tuple[list, Optional[torch.Tensor]]:
     if not grads:
         return held, None
     with torch.no_grad():
-        return held, torch.stack(torch._foreach_norm(grads)).float()
+        return held, torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
 
 
 def _norm_findings(origin_norms: Optional[tuple]) -> list[ParamFinding]:

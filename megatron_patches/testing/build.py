@@ -75,7 +75,8 @@ def build_optimizer(args: argparse.Namespace, model: Any, config: Any, global_ba
     opt_config = OptimizerConfig(
         optimizer="adam", lr=a.lr, min_lr=a.lr, weight_decay=0.01, clip_grad=1.0,
         bf16=a.precision == "bf16", fp16=a.precision == "fp16",
-        initial_loss_scale=2.0 ** 16 if a.precision == "fp16" else None,
+        initial_loss_scale=a.initial_loss_scale if a.precision == "fp16" else None,
+        loss_scale=a.loss_scale if a.precision == "fp16" else None,
         use_distributed_optimizer=a.distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, [model])

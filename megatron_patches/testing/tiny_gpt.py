@@ -36,6 +36,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1); dp = world / (tp*pp)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="parameter precision (default fp32)")
     p.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer state over data parallel")
+    p.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32,
+                   help="fp16: the dynamic loss scaler's first scale (default 2^32, Megatron-LM's)")
+    p.add_argument("--loss-scale", type=float, default=None,
+                   help="fp16: a constant loss scale instead of the dynamic scaler (Megatron-LM's --loss-scale)")
     p.add_argument("--check-for-nan-in-grad", action="store_true",
                    help="megatron-core's own per-bucket NaN/Inf check before the data-parallel reduction "
                         "(on by default in Megatron-LM, off in megatron-core; the guard then takes its origin "
@@ -92,6 +96,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         raise UserError(f"--save-interval must be >= 0, got {args.save_interval}")
     if not 0.0 <= args.dropout < 1.0:
         raise UserError(f"--dropout must be in [0, 1), got {args.dropout}")
+    for name in ("initial_loss_scale", "loss_scale"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise UserError(f"--{name.replace('_', '-')} must be > 0, got {value}")
     if not args.lr > 0:
         raise UserError(f"--lr must be > 0, got {args.lr}")
     if args.vocab % args.tp:  # megatron-core splits the vocabulary evenly over tensor-parallel ranks
