@@ -35,13 +35,17 @@ installed, :func:`active` is an injector without specs, which does nothing.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
+import logging
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import torch
 
 from .errors import ConfigError
+
+log = logging.getLogger("megatron_patches")
 
 KINDS = ("nan", "inf", "spike", "bitflip", "saturate", "poison", "growth", "kill")
 PHASES = ("grad", "local", "forward")
@@ -197,6 +201,8 @@ class Injector:
         spec = self.specs[index]
         if not (spec.covers(step) and (index, step) not in self._fired and spec.rank in (None, rank)):
             return False
+        if index not in self._started:
+            log.warning("step %d: drill %r fired into the output of %s on rank %d", step, spec.text, module, rank)
         self._started.add(index)
         self._note(step, {"drill": spec.text, "rank": rank, "module": module})
         return True
@@ -238,6 +244,23 @@ class Injector:
             if index in self._started or any(i == index for i, _ in self._fired):
                 self._fired.update((index, s) for s in range(spec.step, spec.step + spec.count))
 
+    def has_targets(self, rank: int, param_names: Iterable[str], module_names: Iterable[str]) -> list[float]:
+        """Per spec, 1.0 when it has something to act on on this rank: a parameter (``param``) or
+        module (``module``) its pattern matches here, on its ``rank`` only when it names one.
+        Specs without a pattern (the model's first parameter, poison, kill) count as having one
+        where their rank exists. Summed over the job (:func:`unmatched`), a zero is a drill that
+        would silently do nothing."""
+        params, modules = list(param_names), list(module_names)
+        hits = []
+        for spec in self.specs:
+            here = spec.rank is None or spec.rank == rank
+            pattern, names = (spec.module, modules) if spec.phase == "forward" else (spec.param, params)
+            if spec.kind in ("poison", "kill") or pattern is None:
+                hits.append(float(here))
+            else:
+                hits.append(float(here and any(fnmatch.fnmatchcase(name, pattern) for name in names)))
+        return hits
+
     def due(self, step: int, phase: str, rank: int) -> list[tuple[int, InjectionSpec]]:
         return [
             (i, s)
@@ -266,8 +289,36 @@ class Injector:
                 _corrupt(spec.kind, grad, factor, spec.bit)
                 self._note(step, {"drill": spec.text, "rank": rank, "param": name})
                 done.append(f"{spec.text} -> {name} on rank {rank}")
+            if targets:  # a rehearsal says so where it acts (a warning: every rank's log shows it)
+                log.warning("step %d: drill %r fired into %s on rank %d", step, spec.text,
+                            targets[0][0] if len(targets) == 1 else f"{len(targets)} gradients", rank)
         return done
 
+
+
+def unmatched(injector: Injector, hits_by_rank: list[list[float]], param_names: Iterable[str],
+              module_names: Iterable[str]) -> Optional[str]:
+    """One line naming the drills no rank had a target for (``hits_by_rank``: every rank's
+    :meth:`Injector.has_targets`), or None when every drill has one. ``param_names`` and
+    ``module_names``: this rank's, from which the nearest to each pattern are suggested."""
+    world = len(hits_by_rank)
+    params, modules = sorted(param_names), sorted(module_names)
+    missed = []
+    for index, spec in enumerate(injector.specs):
+        if any(hits[index] for hits in hits_by_rank):
+            continue
+        if spec.rank is not None and spec.rank >= world:
+            missed.append(f"{spec.text!r} (rank {spec.rank} is outside the job's {world} rank(s))")
+            continue
+        what, pattern, names = ("module", spec.module, modules) if spec.phase == "forward" else \
+            ("parameter", spec.param, params)
+        nearest = difflib.get_close_matches(pattern, names, n=2, cutoff=0.0)
+        missed.append(f"{spec.text!r} (no {what} matches {pattern!r}"
+                      f"{'' if spec.rank is None else f' on rank {spec.rank}'}; nearest: {', '.join(nearest)})")
+    if not missed:
+        return None
+    return (f"drill(s) that would do nothing: {'; '.join(missed)}; patterns are fnmatch on global names "
+            "without wrapper prefixes")
 
 
 _active = Injector(())

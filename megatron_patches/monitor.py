@@ -33,6 +33,7 @@ from .check import CheckStage, Verdict
 from .collectives import PeerLost
 from .decide import Responder, exit_peer_lost
 from .config import Config
+from .errors import EXIT_USER_ERROR
 from .findings import local_findings
 from .incidents import Incident, Outcome
 from .loss_scale import LossScaleWatch, ScalerEvent
@@ -88,6 +89,7 @@ class GradMonitor:
         self._batch_info: dict = {}
         self._batch_tokens: Optional[list] = None
         self._prepared: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._drills_checked = False
         self.counters = {"checked_steps": 0, "skipped_steps": 0, "incidents": 0, "scaler_overflows": 0,
                          "injected": 0, "served_norms": 0}
         self.last_total_norm: Optional[float] = None
@@ -172,6 +174,8 @@ class GradMonitor:
 
     def after_prepare_grads(self, optimizer: Any, found_inf: bool) -> bool:
         """Run after Megatron's ``prepare_grads``; returns True to skip the update."""
+        if not self._drills_checked:
+            self._refuse_unmatched_drills(optimizer)
         if not self._step_set:
             self._step += 1
         self._step_set = False
@@ -188,6 +192,24 @@ class GradMonitor:
         if step % self.config.check_interval:
             return False
         return self._check(optimizer, entries, step)
+
+    def _refuse_unmatched_drills(self, optimizer: Any) -> None:
+        """Once, at the first step, when every rank is here: a drill with nothing to act on in the
+        whole job stops every rank with exit code 2 and one line (rank 0), rather than rehearse
+        nothing and look like a miss."""
+        self._drills_checked = True
+        drills = inject.active()
+        chunks = hooks.model_chunks_for(optimizer)
+        if not drills.specs or not chunks:  # no drills, or a model nobody registered: nothing to match
+            return
+        names = [info.name for info in locate.name_parameters(chunks).values()]
+        modules = [name for name, _, _ in locate.name_modules(chunks)]
+        every_rank = collectives.all_gather_floats(drills.has_targets(self.rank, names, modules))
+        line = inject.unmatched(drills, every_rank, names, modules)
+        if line is not None:
+            if self.rank == 0:
+                log.error("%s", line)
+            raise SystemExit(EXIT_USER_ERROR)
 
     def before_direct_clip(self, optimizer: Any) -> None:
         """``clip_grad_norm`` called without ``prepare_grads`` first: check, zero bad grads."""

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Optional
 
 from . import hooks, inject, patching
 from .config import Config, load_config
+from .errors import EXIT_USER_ERROR, UserError
 from .monitor import GradMonitor
 
 log = logging.getLogger("megatron_patches")
@@ -19,8 +21,6 @@ def _setup_logging(config: Config) -> None:
         handler.setFormatter(logging.Formatter("[megatron_patches] %(message)s"))
         log.addHandler(handler)
         log.propagate = False
-    import os
-
     import torch
 
     # apply runs before torch.distributed starts: the launcher's RANK says who we are then.
@@ -47,6 +47,19 @@ def install(config: Optional[Config] = None) -> Optional[GradMonitor]:
         hooks.set_monitor(monitor)
     patching.install()
     return monitor
+
+
+def install_from_environment() -> Optional[GradMonitor]:
+    """What ``import megatron_patches.apply`` runs: :func:`install` with the config
+    $MEGATRON_PATCHES_CONFIG names. Input the user must fix (a misspelled key, a bad value or
+    drill, an unsupported megatron-core) ends every rank with exit code 2 and one line on rank 0:
+    never a traceback per rank, and a restart would meet the same input."""
+    try:
+        return install()
+    except UserError as error:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"[megatron_patches] {error}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_USER_ERROR) from None
 
 
 def uninstall() -> None:

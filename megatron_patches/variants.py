@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .errors import UnsupportedConfig
+from .errors import EXIT_USER_ERROR, UnsupportedConfig
 
-EXIT_UNSUPPORTED = 2
+EXIT_UNSUPPORTED = EXIT_USER_ERROR
 """Exit code of a job refused at start (a usage error, like argparse's)."""
 
 

@@ -192,3 +192,20 @@ def test_dp2_origin_rank_leads_the_record_and_the_report(tmp_path):
     assert f"{name} (layer 1), global rank 1 (tp 0, pp 0, dp 1), host " in entered, text
     spread = next(line for line in text.splitlines() if line.strip().startswith("spread:"))
     assert "from rank(s) [1] before the data-parallel reduction to 2 of 2 data-parallel replica(s)" in spread, text
+
+
+@pytest.mark.multiproc
+def test_a_drill_with_nothing_to_act_on_in_the_job_is_refused_at_the_first_step(tmp_path):
+    """PP2: layer 1 lives on rank 1 only. A drill on it without a rank is matched by the job; the same
+    drill bound to rank 0 would do nothing: every rank exits 2 before any update, rank 0 saying why
+    in one line."""
+    layer1 = "decoder.layers.1.mlp.linear_fc1.weight"
+    run = run_tiny(tmp_path, "--steps", "4", "--pp", "2", "--inject", f"nan:step=3,param={layer1}",
+                   "--inject", f"nan:step=3,param={layer1},rank=0", nproc=2)
+    assert run.returncode != 0 and "exitcode  : 2" in run.output, run.output[-3000:]
+    [line] = [line for line in run.output.splitlines() if "drill(s) that would do nothing" in line]
+    assert f"'nan:step=3,param={layer1},rank=0' (no parameter matches '{layer1}' on rank 0; nearest: " \
+           "decoder.layers.0.mlp.linear_fc1.weight" in line
+    assert f"'nan:step=3,param={layer1}' (" not in line
+    assert "Traceback" not in run.output.split("failed (exitcode")[0]  # torchrun's own summary follows
+    assert not (tmp_path / "result.json").exists()

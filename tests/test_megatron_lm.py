@@ -166,13 +166,16 @@ def test_training_targets_are_skipped_where_megatron_training_is_absent(clean_pa
     logger = logging.getLogger("megatron_patches")  # runtime.install() may have stopped propagation
     logger.addHandler(caplog.handler)
     try:
-        with caplog.at_level(logging.INFO, logger="megatron_patches"):
+        with caplog.at_level(logging.DEBUG, logger="megatron_patches"):
             done = patching.install()
     finally:
         logger.removeHandler(caplog.handler)
     assert done and not any(t.dotted in done for t in TRAINING_TARGETS)
-    for target in TRAINING_TARGETS:
-        assert any(f"{target.dotted} skipped: {target.module} is not importable" in r.message for r in caplog.records)
+    for target in TRAINING_TARGETS:  # said at debug level; the one info line names the module
+        assert any(f"{target.dotted} skipped: {target.module} is not importable" in r.message
+                   for r in caplog.records if r.levelno == logging.DEBUG)
+    summary = [r.message for r in caplog.records if r.levelno >= logging.INFO]
+    assert summary and "megatron.training absent (its targets skipped)" in summary[-1], summary
 
 
 # --- Megatron-LM's loop: the packaged one (megatron-core 0.17+, CI) or a checkout (MEGATRON_LM_DIR) ------
@@ -654,6 +657,24 @@ def test_expert_parallel_job_is_refused_at_start_with_exit_2_and_one_line(loop_k
     refusals = [line for line in output.splitlines() if "is not supported by megatron_patches yet" in line]
     assert len(refusals) == 1 and "--expert-model-parallel-size" in refusals[0], refusals
     assert "[rank0]: Traceback" not in output and "[rank1]: Traceback" not in output
+    assert iterations(output) == {}
+
+
+@pytest.mark.multiproc
+def test_a_misspelled_config_key_is_one_line_and_exit_2_on_every_rank(loop_kind, request, tmp_path):
+    """At a thousand ranks a traceback per rank buries the cause, and a restarting launcher would
+    retry input that never changes: one line on rank 0, every worker exits 2, nothing trains."""
+    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
+    env = guard_env(tmp_path, detectors={"nonfinit": {}})
+    proc = loop.run(env)
+    output = proc.stdout + proc.stderr
+    # Each worker exits 2 unless torchrun, seeing the first one go, tears it down first (SIGTERM, -15).
+    codes = set(re.findall(r"exitcode\s*: (-?\d+)", output))
+    assert "2" in codes and codes <= {"2", "-15"}, output[-4000:]
+    lines = [line for line in output.splitlines() if "unknown config key" in line]
+    assert lines == ["[megatron_patches] unknown config key detectors.nonfinit at detectors; valid keys: "
+                     "consistency, history, loss_scale, magnitude, nonfinite, peers"], lines
+    assert "Traceback" not in output.split("failed (exitcode")[0]  # torchrun's own summary follows
     assert iterations(output) == {}
 
 

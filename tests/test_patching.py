@@ -20,7 +20,7 @@ def _current(target):
 
 def test_install_twice_adds_nothing_and_uninstall_restores(clean_patches, caplog):
     originals = {t.dotted: _current(t) for t in TARGETS}
-    with caplog.at_level(logging.INFO, logger="megatron_patches"):
+    with caplog.at_level(logging.DEBUG, logger="megatron_patches"):
         first = patching.install()
         second = patching.install()
     # Megatron-LM's training targets come on top where megatron.training is importable (0.17+ wheel).
@@ -29,6 +29,9 @@ def test_install_twice_adds_nothing_and_uninstall_restores(clean_patches, caplog
     assert second == []
     assert sum("patched megatron.core.optimizer.optimizer.FP32Optimizer.prepare_grads" in r.message
                for r in caplog.records) == 1
+    # At the default level one line says what was done (the per-target lines are debug).
+    summary = [r.message for r in caplog.records if r.levelno >= logging.INFO]
+    assert len(summary) == 1 and summary[0].startswith(f"guarding megatron-core ") and len(summary[0]) < 200
     for target in TARGETS:
         wrapped = _current(target)
         assert isinstance(wrapped, wrapt.FunctionWrapper)

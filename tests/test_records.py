@@ -42,13 +42,14 @@ def test_poison_drill_is_labelled_when_its_sample_is_fed():
     assert injector.fired_at(6) == [{"drill": "poison:sample=45", "rank": 1, "sample": 45}]
 
 
-def test_real_fault_inside_a_drill_window_for_another_rank_is_not_labelled_injected(tmp_path):
-    # Step 4's total gradient norm (1.71) is over the limit: a real, uninjected finding. The drill
-    # covers steps 3-5, for rank 1, which this one-rank run does not have: it never fires.
+def test_real_fault_while_a_drill_is_configured_is_not_labelled_injected(tmp_path):
+    # Step 4's total gradient norm (1.71) is over the limit: a real, uninjected finding. The drill is
+    # configured and has a target (a drill for a rank the job lacks is now refused at start, issue
+    # 25), but its steps 5-6 come after this 4-step run: it never fires.
     config = tmp_path / "guard.yaml"
     config.write_text("detectors:\n  magnitude:\n    total_norm_max: 1.6\n")
     run = run_tiny(tmp_path / "out", "--steps", "4", "--config", str(config),
-                   "--inject", f"nan:step=3,count=3,rank=1,param={FC1}")
+                   "--inject", f"nan:step=5,count=2,param={FC1}")
     assert run.returncode == 0, run.output[-3000:]
     (record,) = run.incidents
     assert (record["step"], record["kind"]) == (4, "magnitude"), record

@@ -137,3 +137,51 @@ def test_a_bad_spec_leaves_the_active_drills_as_they_were():
         assert [s.text for s in inject.active().specs] == ["nan:step=2"]
     finally:
         inject.uninstall()
+
+
+# --- a drill with nothing to act on is refused, not silently idle (issue 25) ----------------------
+
+NAMES = ["embedding.word_embeddings.weight", "decoder.layers.0.mlp.linear_fc1.weight",
+         "decoder.layers.1.mlp.linear_fc1.weight"]
+MODULES = ["embedding", "decoder.layers.0.mlp", "decoder.layers.1.mlp"]
+
+
+def test_targets_are_matched_per_rank_and_summed_over_the_job():
+    from megatron_patches.inject import Injector, unmatched
+
+    drills = Injector([parse_spec(t) for t in (
+        "nan:step=3,param=decoder.layers.1.*",           # on rank 1's stage only: matched by the job
+        "nan:step=3,param=decoder.layers.1.*,rank=0",    # rank 0 holds no layer 1
+        "nan:step=2,phase=forward,module=decoder.layers.7.mlp",
+        "kill:step=3,rank=4",                            # a rank the job does not have
+        "nan:step=2",                                    # the model's first parameter: somewhere
+        "poison:sample=5")])
+    rank0 = drills.has_targets(0, NAMES[:2], MODULES[:2])
+    rank1 = drills.has_targets(1, NAMES[2:], MODULES[2:])
+    assert rank0 == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0] and rank1 == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    line = unmatched(drills, [rank0, rank1], NAMES, MODULES)
+    assert "\n" not in line and line.startswith("drill(s) that would do nothing: ")
+    assert ("'nan:step=3,param=decoder.layers.1.*,rank=0' (no parameter matches 'decoder.layers.1.*' on rank 0; "
+            "nearest: decoder.layers.1.mlp.linear_fc1.weight, decoder.layers.0.mlp.linear_fc1.weight)") in line
+    assert "(no module matches 'decoder.layers.7.mlp'; nearest: decoder.layers.1.mlp, decoder.layers.0.mlp)" in line
+    assert "'kill:step=3,rank=4' (rank 4 is outside the job's 2 rank(s))" in line
+    assert "'nan:step=3,param=decoder.layers.1.*' (" not in line  # the job has layer 1: matched
+    assert unmatched(Injector([parse_spec("nan:step=3,param=*fc1*")]), [[1.0], [0.0]], NAMES, MODULES) is None
+
+
+def test_a_bad_config_ends_the_import_with_exit_2_and_one_line(tmp_path, monkeypatch, capsys, clean_patches):
+    from megatron_patches import runtime
+
+    path = tmp_path / "guard.yaml"
+    path.write_text("detectors:\n  nonfinit: {}\n")
+    monkeypatch.setenv("MEGATRON_PATCHES_CONFIG", str(path))
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as stopped:
+        runtime.install_from_environment()
+    assert stopped.value.code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("[megatron_patches] unknown config key detectors.nonfinit") and "nonfinite" in line
+    monkeypatch.setenv("RANK", "3")  # the other ranks exit alike and say nothing
+    with pytest.raises(SystemExit):
+        runtime.install_from_environment()
+    assert capsys.readouterr().err == ""

@@ -156,11 +156,8 @@ class MegatronLMSession:
 
 def _advise(args: Any) -> None:
     if getattr(args, "check_for_nan_in_loss_and_grad", False):
-        log.info("Megatron-LM's own NaN/Inf check is on (--check-for-nan-in-loss-and-grad, the "
-                 "default): on the steps megatron_patches checks, a non-finite gradient bucket or "
-                 "loss is not fatal to Megatron's RerunStateMachine (it reruns the step in place and "
-                 "its verdict goes into the record); megatron_patches names the origin rank and "
-                 "skips or rolls back. On the other steps Megatron acts alone (exit 16/17).")
+        log.info("Megatron's NaN check is on: on checked steps its rerun verdict goes into the record "
+                 "and the guard decides (docs/megatron_lm.md)")
 
 
 def _refuse_unsupported(args: Any, optimizer: Any) -> None:

@@ -193,7 +193,7 @@ def install(version: Optional[str] = None) -> list[str]:
     if hint:
         log.warning("%s", hint)
     _unwatch.extend(filter(None, [mindspeed.watch_patch_manager(_after_patch_manager)]))
-    done = []
+    done, absent = [], []
     for target in TARGETS + TRAINING_TARGETS:
         check_version(target.versions, version)
         try:
@@ -201,7 +201,8 @@ def install(version: Optional[str] = None) -> list[str]:
         except ImportError as exc:
             if target.required:
                 raise
-            log.info("%s skipped: %s is not importable here (%s)", target.dotted, target.module, exc)
+            log.debug("%s skipped: %s is not importable here (%s)", target.dotted, target.module, exc)
+            absent.append(target.module)
             continue
         original = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name)
         if original is None:
@@ -227,8 +228,12 @@ def install(version: Optional[str] = None) -> list[str]:
                 setattr(mod, name, wrapped)
                 _installed.append(_Installed(target, mod, name, original, wrapped))
         _bind_copies(target, original, wrapped)
-        log.info("patched %s (%s)", target.dotted, target.why)
+        log.debug("patched %s (%s)", target.dotted, target.why)
         done.append(target.dotted)
+    if done:
+        packages = sorted({module.rsplit(".", 1)[0] for module in absent})
+        log.info("guarding megatron-core %s: %d targets wrapped%s; log_level debug lists each and why",
+                 version, len(done), f", {', '.join(packages)} absent (its targets skipped)" if packages else "")
     return done
 
 
