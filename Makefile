@@ -2,6 +2,12 @@
 # One environment per Python line: the defaults give Python 3 (3.11 here) with megatron-core 0.16.1;
 # `make test PYTHON=python3.12 VENV=.venv312` gives 3.12 with megatron-core 0.19.x.
 PYTHON ?= python3
+# A pythonX.Y that does not run as named (absent, or a pyenv shim of a version not selected) is
+# looked up through pyenv: make test PYTHON=python3.12 works on a pyenv machine.
+ifneq ($(shell $(PYTHON) -c 'print(1)' 2>/dev/null),1)
+override PYTHON := $(or $(shell v=$$(pyenv versions --bare 2>/dev/null | grep -E '^$(patsubst python%,%,$(PYTHON))(\.|$$)' | tail -n 1); \
+	[ -n "$$v" ] && PYENV_VERSION=$$v pyenv which $(PYTHON) 2>/dev/null),$(PYTHON))
+endif
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 # torch is installed only when the environment has none (an existing torch, CUDA or NPU, is never
@@ -16,15 +22,21 @@ PYTEST_ARGS ?=
 
 .PHONY: install test test-all demo bench patch unpatch patch-status clean
 
-$(VENV)/.installed: setup.py
+# One stamp per megatron-core request: asking for another release installs it.
+STAMP := $(VENV)/.installed-$(or $(MEGATRON_CORE),newest)
+
+$(STAMP): setup.py
 	@$(PYTHON) -m megatron_patches.versions $(MEGATRON_CORE) >/dev/null
 	$(PYTHON) -m venv --system-site-packages $(VENV)
-	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install --quiet \
+	@echo "installing torch if absent, then megatron-core and the test extras into $(VENV) (several minutes on a new machine)"
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install --progress-bar on \
 		"$$($(VPY) -c 'import sys; print("$(TORCH_CPU)" if sys.version_info[:2] == (3, 11) else "$(TORCH_OTHER)")')"
 	$(VPY) -m pip install --quiet -e ".[test]" "$$($(VPY) -m megatron_patches.versions $(MEGATRON_CORE))"
+	@rm -f $(VENV)/.installed*
 	@touch $@
+	@$(VPY) -c "from importlib.metadata import version; print('$(VENV): megatron-core', version('megatron-core'))"
 
-install: $(VENV)/.installed
+install: $(STAMP)
 
 # The CI suite: real tiny-GPT trainings on CPU (several ranks via torchrun), about 15 minutes.
 # On the 0.17+ lines it leaves out the tests marked one_line (see tests/conftest.py).

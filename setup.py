@@ -20,10 +20,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_patches", "megatron_patches.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # enum.StrEnum
     install_requires=[
         # The registry's supported range: 0.12.x to 0.19.x and main (0.20). pip picks the newest
-        # release the running Python can install: 0.16.1 on 3.10/3.11, 0.19.x on 3.12+.
+        # release the running Python can install: 0.16.1 on 3.11, 0.19.x on 3.12+.
         "megatron-core>=0.12,<0.21",
         "torch>=2.3",
         "pyyaml>=6",

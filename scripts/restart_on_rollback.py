@@ -107,10 +107,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="where the ledger is (default: the command's --save, else --load)")
     parser.add_argument("--restart-on", default=str(EXIT_ROLLBACK), metavar="CODES",
                         help="comma-separated exit codes that mean 'restart me' (default 84)")
-    if "--" not in argv:
+    split = argv.index("--") if "--" in argv else len(argv)
+    options, command = parser.parse_args(argv[:split]), argv[split + 1:]  # --help ends here, exit 0
+    if split == len(argv):
         parser.error("put the training command after --, e.g. -- torchrun ... pretrain_gpt.py ...")
-    split = argv.index("--")
-    options, command = parser.parse_args(argv[:split]), argv[split + 1:]
     if not command:
         parser.error("no command after --")
     if options.max_restarts < 0:

@@ -101,9 +101,11 @@ def test_launcher_stops_when_the_restart_budget_is_spent(tmp_path):
     assert "restart budget of 1 is spent" in run.stderr
 
 
-def test_launcher_refuses_a_missing_command():
+def test_launcher_refuses_a_missing_command_and_answers_help():
     run = subprocess.run([sys.executable, str(LAUNCHER), "--max-restarts", "1"], capture_output=True, text=True)
     assert run.returncode == 2 and "put the training command after --" in run.stderr
+    run = subprocess.run([sys.executable, str(LAUNCHER), "--help"], capture_output=True, text=True)
+    assert run.returncode == 0 and "--restart-on CODES" in run.stdout
 
 
 # --- helpers that need no checkout (CI) -------------------------------------------------------------
