@@ -116,6 +116,12 @@ def diagnosis(rec: dict) -> list[str]:
     if isinstance(rec.get("rolled_back_to"), int):
         done.append(f"rolled back to the healthy checkpoint of step {rec['rolled_back_to']}"
                     + (f", learning rate x{rec['lr_scale']:g}" if isinstance(rec.get("lr_scale"), (int, float)) else ""))
+    skipped = rec.get("iterations_skipped")
+    if isinstance(skipped, list) and skipped:
+        done.append(f"iteration(s) {', '.join(map(str, skipped))} skipped on resuming")
+    if isinstance(rec.get("restart"), int):
+        done.append(f"restart {rec['restart']} ({text_of(rec.get('restarts_used'))} rollback(s) used in this job)"
+                    + ("; requested, no restart has resumed yet" if rec.get("rollback_pending") else ""))
     if isinstance(rec.get("blacklisted"), list) and rec["blacklisted"]:
         done.append(f"{len(rec['blacklisted'])} sample(s) blacklisted")
     if isinstance(rec.get("origin_ranks"), list) and rec["origin_ranks"]:

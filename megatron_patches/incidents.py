@@ -153,6 +153,9 @@ class Incident:
     """Fields the detectors and the locate stage add (pre_reduction, replicas_reached, ...)."""
     scene: Optional[str] = None
     """The directory of the step's fault scenes, when they were captured."""
+    ledger: Optional[str] = None
+    """The recovery ledger a rollback exit wrote, where the restart records its outcome
+    (``megatron-patches report`` reads it from there)."""
     time: str = field(default_factory=now_iso)
 
     @property
@@ -173,6 +176,8 @@ class Incident:
             **copy.deepcopy(dict(self.extra)))
         if self.scene is not None:
             record["scene"] = self.scene
+        if self.ledger is not None:
+            record["ledger"] = self.ledger
         if outcome is not None:
             record.update(outcome.fields())
         return record

@@ -300,6 +300,9 @@ class GradMonitor:
             captured = self._capture_scene(verdict, findings)  # captured now, whenever it is written
         if incident is not None and captured is not None:  # rank 0: the scene goes in before the freeze
             incident = dataclasses.replace(incident, scene=os.path.dirname(captured[0]))
+        ledger = getattr(self.executor, "ledger_path", None)  # an exit-and-restart rollback's outcome goes there
+        if incident is not None and ledger is not None and decision.action == Action.ROLLBACK:
+            incident = dataclasses.replace(incident, ledger=ledger)
         self.last_incident = incident
         self.publisher.hand_off(incident, captured, wait_for_outcome=decision.replay, rank=self.rank)
         for listener in self.listeners:

@@ -302,6 +302,8 @@ class ExitAndRestart:
                  request_fields: Optional[Callable[[], dict]] = None):
         self.monitor = monitor
         self.checkpoint_root = checkpoint_root
+        self.ledger_path = os.path.abspath(Ledger.path(checkpoint_root))
+        """Named in each rollback's record, so that ``report`` finds the restart's outcome."""
         self.config = monitor.config.recovery
         self.ledger = Ledger.load(checkpoint_root)
         self._request_fields = request_fields

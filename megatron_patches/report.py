@@ -104,16 +104,64 @@ def load_report(directory: str, with_history: bool = False) -> Report:
         raise UserError(f"report directory {directory!r} is not readable by this user")
     report = Report(directory)
     report.incidents = read_jsonl(os.path.join(directory, INCIDENTS_FILE), INCIDENT_SCHEMA, report.problems)
+    _merge_rollback_outcomes(report.incidents, report.problems)
     if with_history:
         report.history = read_jsonl(os.path.join(directory, HISTORY_FILE), HISTORY_SCHEMA, report.problems)
     return report
+
+
+def _merge_rollback_outcomes(incidents: list[dict], problems: list[Problem]) -> None:
+    """An exit-and-restart rollback's outcome is known only to the restart, which writes it in the
+    ledger the record names (``ledger``): merged into the record as read, never into the file.
+    Adds ``rolled_back_to`` (the iteration resumed from), ``lr_scale``, ``iterations_skipped``,
+    ``restart`` (this rollback's number) and ``restarts_used`` (the ledger's count), or
+    ``rollback_pending`` when no restart has resumed yet."""
+    ledgers: dict[str, Any] = {}
+    for rec in incidents:
+        path = rec.get("ledger")
+        if not isinstance(path, str) or rec.get("action") != "rollback" or isinstance(rec.get("rolled_back_to"), int):
+            continue
+        if path not in ledgers:
+            ledgers[path] = _read_ledger(path, problems)
+        ledger = ledgers[path]
+        if ledger is not None:
+            rec.update(_outcome_of(ledger, rec.get("step")))
+
+
+def _read_ledger(path: str, problems: list[Problem]) -> Any:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            ledger = json.load(handle)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        problems.append(Problem(path, 0, f"the rollback ledger cannot be read ({exc}); outcomes not shown"))
+        return None
+    if not isinstance(ledger, dict) or not isinstance(ledger.get("events"), list):
+        problems.append(Problem(path, 0, "not a megatron_patches ledger; outcomes not shown"))
+        return None
+    return ledger
+
+
+def _outcome_of(ledger: dict, step: Any) -> dict[str, Any]:
+    """The exit event of the rollback at ``step`` and the restart that resumed after it."""
+    events = [e for e in ledger["events"] if isinstance(e, dict)]
+    exits = [i for i, e in enumerate(events) if "exit" in e]
+    mine = next((i for i in exits if events[i].get("step") == step), None)
+    if mine is None:
+        return {}
+    resumed = next((e for e in events[mine + 1:] if "resumed_from" in e), None)
+    outcome: dict[str, Any] = {"restart": exits.index(mine) + 1, "restarts_used": ledger.get("rollbacks"),
+                               "iterations_skipped": events[mine].get("skip_iterations", [])}
+    if resumed is None:
+        return {**outcome, "rollback_pending": True}
+    return {**outcome, "rolled_back_to": resumed["resumed_from"], "lr_scale": resumed.get("lr_scale")}
 
 
 # --- text -------------------------------------------------------------------------------
 
 
 def table_rows(incidents: list[dict]) -> list[list[str]]:
-    header = ["step", "severity", "kind", "first parameter", "layer", "tp/pp/dp", "rank", "host", "action", "replay"]
+    header = ["step", "severity", "kind", "first parameter", "layer", "tp/pp/dp", "rank", "host", "action", "replay",
+              "resumed from"]
     rows = [header]
     for rec in incidents:
         first = rec.get("first") if isinstance(rec.get("first"), dict) else None
@@ -125,6 +173,7 @@ def table_rows(incidents: list[dict]) -> list[list[str]]:
             "/".join(text_of(ranks.get(k)) for k in ("tp", "pp", "dp")) if ranks else "-",
             text_of(ranks.get("global")), text_of((first or {}).get("host")),
             text_of(rec.get("action")), text_of(replay.get("verdict")),
+            "pending" if rec.get("rollback_pending") else text_of(rec.get("rolled_back_to")),
         ])
     return rows
 

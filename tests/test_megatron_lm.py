@@ -366,6 +366,18 @@ def test_persistent_fault_exits_84_and_the_launcher_resumes_from_the_healthy_che
     marks = {step: ok for step, _, ok in checkpoint.list_checkpoints(str(save))}
     assert marks == {2: True, 6: True}  # the first run stopped before saving at 4
 
+    # The report finds the outcome through the ledger the rollback's record names.
+    assert incidents(tmp_path)[1]["ledger"] == str(save / LEDGER_FILE)
+    report = subprocess.run([sys.executable, "-m", "megatron_patches", "report", str(tmp_path / "reports"), "--json"],
+                            capture_output=True, text=True)
+    rollback = json.loads(report.stdout)["incidents"][1]
+    assert {k: rollback[k] for k in ("rolled_back_to", "lr_scale", "iterations_skipped", "restart", "restarts_used")} \
+        == {"rolled_back_to": 2, "lr_scale": 0.5, "iterations_skipped": [3, 4], "restart": 1, "restarts_used": 1}
+    text = subprocess.run([sys.executable, "-m", "megatron_patches", "report", str(tmp_path / "reports")],
+                          capture_output=True, text=True).stdout
+    assert ("rolled back to the healthy checkpoint of step 2, learning rate x0.5; iteration(s) 3, 4 skipped on "
+            "resuming; restart 1 (1 rollback(s) used in this job)") in text, text
+
 
 @pytest.mark.multiproc
 def test_detector_baselines_survive_a_megatron_lm_restart(loop_kind, request, tmp_path):

@@ -209,3 +209,23 @@ def test_harness_writes_live_metrics_to_tensorboard(tmp_path):
             "megatron_patches/layer_grad_norm/1"} <= tags
     incidents = [e.value for e in events.Scalars("megatron_patches/incidents")]
     assert incidents == [0, 0, 1, 1, 1, 1]
+
+
+def test_a_rollback_whose_restart_has_not_resumed_is_pending_and_a_broken_ledger_is_one_problem(tmp_path):
+    """In process: the outcome comes from the ledger the record names; none yet -> pending."""
+    from megatron_patches.report import load_report
+
+    ledger = tmp_path / "ckpt" / "megatron_patches_ledger.json"
+    ledger.parent.mkdir()
+    ledger.write_text(json.dumps({"schema": "megatron_patches.ledger/1", "rollbacks": 1, "events": [
+        {"step": 9, "exit": 84, "lr_scale": 0.5, "blacklisted": 0, "skip_iterations": [8, 9]}]}))
+    writer = JsonlWriter(os.path.join(tmp_path, INCIDENTS_FILE))
+    for step, path in ((9, ledger), (12, tmp_path / "missing.json")):
+        writer.write(make_record(step=step, severity="error", kind="nan", kinds=["nan"], action="rollback",
+                                 message="m", params=[], ranks_affected=[], world=WORLD, ledger=str(path)))
+    report = load_report(str(tmp_path))
+    first, second = report.incidents
+    assert first["rollback_pending"] and first["iterations_skipped"] == [8, 9] and first["restart"] == 1
+    assert "rolled_back_to" not in first and "rolled_back_to" not in second
+    [problem] = report.problems
+    assert problem.path == str(tmp_path / "missing.json") and "cannot be read" in problem.message
