@@ -8,7 +8,9 @@ numbers and reaches the same :class:`Verdict` without a further collective.
 
 from __future__ import annotations
 
+import logging
 import math
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -20,6 +22,8 @@ from .collectives import collective_device, prepare_bounded
 from .detectors import CheckContext
 from .locate import slot_names
 from .optimizer_params import Entry, build_entries, current_grads
+
+log = logging.getLogger("megatron_patches")
 
 # Slots of the reduced vector ahead of the per-layer sums of squares. _ORIGINS counts the ranks
 # whose own gradients were non-finite before the data-parallel reduction: which ranks they were is
@@ -148,3 +152,22 @@ class CheckStage:
             detector.local(ctx, vec[offset:offset + width])
             offset += width
         return ctx, maxabs, vec
+
+
+def resolve_overflow_mode(mode: str) -> str:
+    """'auto' -> what the device does: saturation on Ascend parts that saturate, else ieee.
+
+    torch_npu's ``is_support_inf_nan()`` initialises the current device, so this is asked lazily
+    (:attr:`GradMonitor.overflow_mode`, at the first check, after Megatron's set_device), and only
+    when torch_npu is already imported (MindSpeed imports it; without it the answer is ieee)."""
+    if mode != "auto":
+        return mode
+    torch_npu = sys.modules.get("torch_npu")
+    try:
+        supports = getattr(getattr(getattr(torch_npu, "npu", None), "utils", None), "is_support_inf_nan", None)
+        if supports is not None and not supports():
+            return "saturation"
+    except Exception as exc:
+        log.warning("overflow_mode auto: torch_npu's is_support_inf_nan failed (%s); checking as ieee, "
+                    "set overflow_mode explicitly", exc)
+    return "ieee"

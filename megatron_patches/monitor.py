@@ -21,7 +21,6 @@ import dataclasses
 import logging
 import os
 import signal
-import sys
 import weakref
 from typing import Any, Callable, Optional
 
@@ -29,7 +28,7 @@ import torch
 
 from . import detectors as detector_plugins
 from . import collectives, grad_sync, hooks, inject, locate, scene, served_norm
-from .check import CheckStage, Verdict
+from .check import CheckStage, Verdict, resolve_overflow_mode
 from .collectives import PeerLost
 from .decide import Responder, exit_peer_lost
 from .config import Config
@@ -44,25 +43,6 @@ from .publish import Publisher
 from .response import Action, Decision, exit_code
 
 log = logging.getLogger("megatron_patches")
-
-
-def resolve_overflow_mode(mode: str) -> str:
-    """'auto' -> what the device does: saturation on Ascend parts that saturate, else ieee.
-
-    torch_npu's ``is_support_inf_nan()`` initialises the current device, so this is asked lazily
-    (:attr:`GradMonitor.overflow_mode`, at the first check, after Megatron's set_device), and only
-    when torch_npu is already imported (MindSpeed imports it; without it the answer is ieee)."""
-    if mode != "auto":
-        return mode
-    torch_npu = sys.modules.get("torch_npu")
-    try:
-        supports = getattr(getattr(getattr(torch_npu, "npu", None), "utils", None), "is_support_inf_nan", None)
-        if supports is not None and not supports():
-            return "saturation"
-    except Exception as exc:
-        log.warning("overflow_mode auto: torch_npu's is_support_inf_nan failed (%s); checking as ieee, "
-                    "set overflow_mode explicitly", exc)
-    return "ieee"
 
 
 class GradMonitor:
