@@ -693,6 +693,25 @@ def test_a_misspelled_config_key_is_one_line_and_exit_2_on_every_rank(loop_kind,
 
 
 @pytest.mark.multiproc
+def test_tensor_parallel_names_the_parameter_and_its_tensor_parallel_rank(loop_kind, request, tmp_path):
+    """TP2 through Megatron-LM's own loop (its validation asks CUDA for the device arch: the CPU
+    runtime answers a Hopper part's, so CUDA_DEVICE_MAX_CONNECTIONS=1 is needed as on such GPUs).
+    A NaN in rank 1's half of the QKV weight's gradient: named with tp rank 1, skipped, the job ends."""
+    qkv = "decoder.layers.1.self_attention.linear_qkv.weight"
+    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
+    env = {**guard_env(tmp_path, inject=[f"nan:step=3,rank=1,param={qkv}"]), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    proc = loop.run(env, "--tensor-model-parallel-size", "2")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    [incident] = incidents(tmp_path)
+    assert (incident["step"], incident["kind"], incident["action"]) == (3, "nan", "skip_step")
+    assert incident["first"]["name"] == qkv and incident["first"]["layer"] == 1
+    assert {k: incident["first"]["ranks"][k] for k in ("global", "tp", "dp")} == {"global": 1, "tp": 1, "dp": 0}
+    assert incident["first"]["shape"] == [96, 64]  # rank 1's half of the 3 x 64 QKV rows
+    assert "number of skipped iterations:   1" in iterations(output)[3] and sorted(iterations(output)) == list(range(1, 7))
+
+
+@pytest.mark.multiproc
 def test_interleaved_pipeline_names_the_parameter_on_its_virtual_stage(loop_kind, request, tmp_path):
     """Interleaved (virtual) pipeline is checked: PP 2 x VPP 2 over 4 layers puts global layer 2
     on pipeline rank 0 (its second model chunk); a NaN there is named with its global layer

@@ -19,6 +19,10 @@ checkout assumes CUDA in a few more places, each redirected here and nowhere els
   :func:`_with_optimizer_state_before_load`).
 - ``set_jit_fusion_options`` warms up the bias-GeLU/bias-dropout fusions with ``torch.compile``
   (~25 s on two CPU cores) even when the command line turns them off; the warm-up is skipped.
+- ``validate_args`` asks CUDA for the device's compute capability (``get_device_arch_version``,
+  imported into ``arguments``) when tensor or context parallelism is on. The CPU has none; it
+  answers :data:`CPU_ARCH_VERSION` (9, a Hopper part's major version), so Megatron applies the
+  rules of the GPUs most users train on: ``CUDA_DEVICE_MAX_CONNECTIONS=1`` must be set for TP/CP.
 
 The rest (``'cuda'`` devices in training.py, ``torch.cuda.Stream`` in ``get_model``) is handled by
 the CPU runtime's device rewrite and stream stand-ins. Nothing is installed by importing this module.
@@ -45,6 +49,9 @@ from megatron_patches.testing import cpu
 __all__ = ["install", "uninstall", "installed"]
 
 _HELPERS = "megatron.core.datasets.helpers_cpp"
+
+CPU_ARCH_VERSION = 9
+"""What ``get_device_arch_version`` answers on the CPU: a pre-Blackwell (Hopper) major version."""
 
 _lock = threading.Lock()
 _state: dict[str, Any] | None = None
@@ -86,6 +93,10 @@ def _allowing_no_cuda(original: Callable) -> Callable:
         return original(*bound.args, **bound.kwargs)
 
     return wrapper
+
+
+def _cpu_arch_version() -> int:
+    return CPU_ARCH_VERSION
 
 
 def _skip_fused_kernels(*args, **kwargs) -> None:
@@ -165,7 +176,7 @@ def _with_optimizer_state_before_load(original: Callable) -> Callable:
 def _redirects() -> list[tuple[Any, str, Any]]:
     from megatron.core.datasets import utils as dataset_utils
     from megatron.core.optimizer import distrib_optimizer
-    from megatron.training import initialize, training
+    from megatron.training import arguments, initialize, training
 
     initialize_megatron = _allowing_no_cuda(initialize.__dict__["initialize_megatron"])
     items = [
@@ -176,6 +187,8 @@ def _redirects() -> list[tuple[Any, str, Any]]:
         (dataset_utils, "compile_helpers", _helpers_are_importable),
         (initialize, "_warmup_jit_function", _skip_jit_warmup),
     ]
+    if "get_device_arch_version" in arguments.__dict__:  # checkouts from before TP asked it have none
+        items.append((arguments, "get_device_arch_version", _cpu_arch_version))
     fused_kernels = initialize.__dict__.get("fused_kernels")  # megatron.legacy, gone in main
     if fused_kernels is not None:
         items.append((fused_kernels, "load", _skip_fused_kernels))
