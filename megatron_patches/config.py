@@ -18,6 +18,8 @@ from typing import Any, Literal, Optional
 
 from .config_load import ENV_VAR, build, config_path, read_config_file, redact_url, redacted
 from .errors import ConfigError
+from .safe_mode import KNOWN as _KNOWN_FEATURES
+from .safe_mode import unknown as _unknown_features
 
 __all__ = [
     "ENV_VAR", "AlertsConfig", "Config", "ConsistencyConfig", "DetectorsConfig", "HistoryConfig",
@@ -45,6 +47,13 @@ def _at_least_one(value: Any) -> Optional[str]:
 def _fraction(value: Any) -> Optional[str]:
     if value is not None and not 0 < value < 1:
         return "must be between 0 and 1 (exclusive)"
+    return None
+
+
+def _known_features(value: Any) -> Optional[str]:
+    names = _unknown_features(value or ())
+    if names:
+        return f"names no feature the guard can switch off ({', '.join(names)}); known: {', '.join(_KNOWN_FEATURES)}"
     return None
 
 
@@ -263,8 +272,11 @@ class RecoveryConfig:
     those a replay reproduced the fault on (deterministic)."""
     keep_checkpoints: int = field(default=3, metadata={"check": _at_least_one})
     """Checkpoints kept by retention; the newest healthy one is never deleted."""
-    disable_features: tuple[str, ...] = ()
-    """Features the training loop switches off after a rollback (names it understands)."""
+    disable_features: tuple[str, ...] = field(default=(), metadata={"check": _known_features})
+    """Features switched off in the job that resumes after a rollback (safe mode on retry): names
+    from :data:`megatron_patches.safe_mode.FEATURES` (``dropout``, ``overlap_grad_reduce``, ...) or a
+    group (``fusions``, ``overlap``). Megatron-LM's loop sets their arguments before it builds the
+    model; the harness knows ``dropout`` only (the others are not in its model)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -116,6 +116,8 @@ def diagnosis(rec: dict) -> list[str]:
     if isinstance(rec.get("rolled_back_to"), int):
         done.append(f"rolled back to the healthy checkpoint of step {rec['rolled_back_to']}"
                     + (f", learning rate x{rec['lr_scale']:g}" if isinstance(rec.get("lr_scale"), (int, float)) else ""))
+    if isinstance(rec.get("disabled_features"), list) and rec["disabled_features"]:
+        done.append(f"resumed in safe mode without {', '.join(map(str, rec['disabled_features']))}")
     skipped = rec.get("iterations_skipped")
     if isinstance(skipped, list) and skipped:
         done.append(f"iteration(s) {', '.join(map(str, skipped))} skipped on resuming")

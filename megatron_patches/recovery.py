@@ -34,7 +34,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Optional, Protocol
 
-from . import checkpoint, inject
+from . import checkpoint, inject, safe_mode
 from .errors import UserError
 from .incidents import Incident, Outcome
 from .protocols import Guard
@@ -253,7 +253,7 @@ class InProcessRecovery:
             self.monitor.exit(stop)
         healthy_step, path = target
         resumed = self.loop.load_checkpoint(path)
-        for name in self.ledger.record_rollback(self.config, list(outcome.blacklisted)):
+        for name in safe_mode.expand(self.ledger.record_rollback(self.config, list(outcome.blacklisted))):
             self.loop.disable_feature(name)
         self.loop.set_blacklist(self.ledger.blacklist)
         self.loop.set_lr_scale(self.ledger.lr_scale)

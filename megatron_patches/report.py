@@ -114,8 +114,9 @@ def _merge_rollback_outcomes(incidents: list[dict], problems: list[Problem]) -> 
     """An exit-and-restart rollback's outcome is known only to the restart, which writes it in the
     ledger the record names (``ledger``): merged into the record as read, never into the file.
     Adds ``rolled_back_to`` (the iteration resumed from), ``lr_scale``, ``iterations_skipped``,
-    ``restart`` (this rollback's number) and ``restarts_used`` (the ledger's count), or
-    ``rollback_pending`` when no restart has resumed yet."""
+    ``restart`` (this rollback's number), ``restarts_used`` (the ledger's count) and
+    ``disabled_features`` (safe mode of the resumed job), or ``rollback_pending`` when no restart
+    has resumed yet."""
     ledgers: dict[str, Any] = {}
     for rec in incidents:
         path = rec.get("ledger")
@@ -153,7 +154,10 @@ def _outcome_of(ledger: dict, step: Any) -> dict[str, Any]:
                                "iterations_skipped": events[mine].get("skip_iterations", [])}
     if resumed is None:
         return {**outcome, "rollback_pending": True}
-    return {**outcome, "rolled_back_to": resumed["resumed_from"], "lr_scale": resumed.get("lr_scale")}
+    resumed_with = {"rolled_back_to": resumed["resumed_from"], "lr_scale": resumed.get("lr_scale")}
+    if resumed.get("disabled_features"):
+        resumed_with["disabled_features"] = resumed["disabled_features"]
+    return {**outcome, **resumed_with}
 
 
 # --- text -------------------------------------------------------------------------------

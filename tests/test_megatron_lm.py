@@ -285,7 +285,7 @@ def incidents(tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def rollback_run(loop: Loop, tmp_path: Path, drill: str, *extra: str) -> tuple[str, str]:
+def rollback_run(loop: Loop, tmp_path: Path, drill: str, *extra: str, config: dict | None = None) -> tuple[str, str]:
     """The launcher around ``loop`` with checkpoints every 2 iterations and ``drill`` as the guard's
     drill; asserts it ends with exit 0 and returns the first and the second attempt's output (one
     stream, so that the launcher's lines fall between the two attempts)."""
@@ -294,7 +294,7 @@ def rollback_run(loop: Loop, tmp_path: Path, drill: str, *extra: str) -> tuple[s
                            *loop.checkpoint_format())
     proc = subprocess.run([sys.executable, str(LAUNCHER), "--max-restarts", "2", "--", *command],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=REPO,
-                          env=guard_env(tmp_path, inject=[drill]))
+                          env=guard_env(tmp_path, inject=[drill], **(config or {})))
     assert proc.returncode == 0, proc.stdout[-6000:]
     first, second = proc.stdout.split("[restart_on_rollback] attempt 2:")
     return first, second
@@ -377,6 +377,30 @@ def test_persistent_fault_exits_84_and_the_launcher_resumes_from_the_healthy_che
                           capture_output=True, text=True).stdout
     assert ("rolled back to the healthy checkpoint of step 2, learning rate x0.5; iteration(s) 3, 4 skipped on "
             "resuming; restart 1 (1 rollback(s) used in this job)") in text, text
+
+
+@pytest.mark.multiproc
+def test_the_restarted_job_runs_in_safe_mode_without_the_features_the_config_names(loop_kind, request, tmp_path):
+    """recovery.disable_features [dropout, overlap_grad_reduce] (issue 27): Megatron's default dropout
+    0.1 and --overlap-grad-reduce in the first attempt; after the rollback the restarted job's
+    args are switched off before its model is built, and the built model shows it: no dropout
+    module or layer with p > 0, DDP without overlap. The report says so beside the outcome."""
+    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
+    first, second = rollback_run(loop, tmp_path, f"nan:step=3,count=2,param={FC1}", "--overlap-grad-reduce",
+                                 config={"recovery": {"disable_features": ["dropout", "overlap_grad_reduce"]}})
+    assert "safe mode" not in first
+    assert ("safe mode after rollback 1: switched off dropout, overlap_grad_reduce (hidden_dropout 0.1 -> 0.0; "
+            "attention_dropout 0.1 -> 0.0; overlap_grad_reduce True -> False)") in second, second[-4000:]
+    built = re.search(r"safe mode in the built model: (\d+) of (\d+) dropout modules with p > 0, (\d+) of (\d+) "
+                      r"layers with hidden_dropout > 0; overlap_grad_reduce=(\w+)", second)
+    assert built and built.group(1) == "0" and int(built.group(2)) > 0 and built.group(3) == "0", second[-4000:]
+    assert built.group(5) == "False"
+    assert sorted(iterations(second)) == [5, 6]
+    ledger = Ledger.load(str(tmp_path / "ckpt"))
+    assert ledger.disabled_features == ["dropout", "overlap_grad_reduce"]
+    text = subprocess.run([sys.executable, "-m", "megatron_patches", "report", str(tmp_path / "reports")],
+                          capture_output=True, text=True).stdout
+    assert "resumed in safe mode without dropout, overlap_grad_reduce" in text, text
 
 
 @pytest.mark.multiproc

@@ -57,11 +57,12 @@ def test_save_into_a_path_that_is_a_file_raises_oserror(tmp_path):
 
 def test_record_rollback_counts_blacklists_and_scales_the_learning_rate():
     ledger = Ledger(blacklist=[7])
-    new = ledger.record_rollback(recovery(lr_factor=0.5, lr_floor=0.05, disable_features=["a", "b"]), [9, 7, 3])
+    new = ledger.record_rollback(recovery(lr_factor=0.5, lr_floor=0.05, disable_features=["dropout", "fusions"]),
+                                 [9, 7, 3])
     assert ledger.blacklist == [3, 7, 9] and ledger.rollbacks == 1 and ledger.lr_scale == 0.5
-    assert new == ["a", "b"] and ledger.disabled_features == ["a", "b"]
-    assert ledger.record_rollback(recovery(lr_factor=0.5, disable_features=["a", "b"]), []) == []
-    assert ledger.rollbacks == 2 and ledger.lr_scale == 0.25 and ledger.disabled_features == ["a", "b"]
+    assert new == ["dropout", "fusions"] and ledger.disabled_features == ["dropout", "fusions"]
+    assert ledger.record_rollback(recovery(lr_factor=0.5, disable_features=["dropout", "fusions"]), []) == []
+    assert ledger.rollbacks == 2 and ledger.lr_scale == 0.25 and ledger.disabled_features == ["dropout", "fusions"]
 
 
 def test_the_learning_rate_scale_stops_at_the_floor():

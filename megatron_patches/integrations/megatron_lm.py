@@ -44,12 +44,14 @@ from .. import collectives, hooks
 from . import mindspeed_llm
 from .megatron_lm_checkpoints import (STATE_DIR, TRACKER_FILE, CheckpointMarks, newest_healthy_iteration,
                                       read_tracker, saved_lr_scale, state_file, warn0, write_marker)
-from .megatron_lm_rollback import Rollback, core_version, skip_iterations, to_iterations_to_skip
+from .megatron_lm_rollback import (Rollback, built_model_facts, core_version, skip_iterations,
+                                   switch_off_for_retry, to_iterations_to_skip)
 from ..protocols import Guard
 from ..response import EXIT_ROLLBACK
 
 __all__ = [
-    "MegatronLMSession", "session", "scheduler_wrapper", "train_step_wrapper", "save_checkpoint_wrapper",
+    "MegatronLMSession", "session", "scheduler_wrapper", "setup_model_wrapper", "train_step_wrapper",
+    "save_checkpoint_wrapper",
     "TAG_PREFIX",
     # re-exported: tests and callers read them from here
     "STATE_DIR", "TRACKER_FILE", "newest_healthy_iteration", "read_tracker", "saved_lr_scale",
@@ -215,6 +217,21 @@ def scheduler_wrapper(wrapped, instance, args, kwargs):
         bound = inspect.signature(wrapped).bind(*args, **kwargs)
         session(monitor).before_scheduler(bound.arguments["optimizer"])
     return wrapped(*args, **kwargs)
+
+
+def setup_model_wrapper(wrapped, instance, args, kwargs):
+    """``setup_model_and_optimizer(...)``: safe mode on retry, on Megatron's args before the model
+    and optimizer are built; then one line of what the built model shows of it."""
+    monitor = hooks.get_monitor()
+    if monitor is None:
+        return wrapped(*args, **kwargs)
+    from megatron.training import get_args
+
+    switched = switch_off_for_retry(get_args())
+    result = wrapped(*args, **kwargs)
+    if switched:
+        warn0("safe mode in the built model: %s", built_model_facts(list(result[0])))
+    return result
 
 
 def train_step_wrapper(wrapped, instance, args, kwargs):

@@ -22,7 +22,8 @@ import logging
 import os
 from typing import Any, Optional
 
-from .. import collectives
+from .. import collectives, safe_mode
+from ..errors import UserError
 from ..protocols import Guard
 from ..response import Action, Decision, Severity
 from .megatron_lm_checkpoints import newest_healthy_iteration, read_tracker, saved_lr_scale, warn0
@@ -41,6 +42,42 @@ def to_iterations_to_skip(logged: list, core_version: tuple) -> list:
 def skip_iterations(ledger: Any) -> list:
     """Every iteration (as logged) a rollback of this job asked to skip, from the ledger's events."""
     return sorted({int(i) for event in ledger.events for i in event.get("skip_iterations", [])})
+
+
+def switch_off_for_retry(args: Any) -> list:
+    """Safe mode on retry: before Megatron builds the model, switch off in ``args`` what the
+    ledger next to ``--save`` (else ``--load``) lists in ``disabled_features``
+    (:mod:`megatron_patches.safe_mode`). Returns those names ([] when none, or no ledger)."""
+    from ..recovery import Ledger
+
+    root = args.save or args.load
+    if root is None:
+        return []
+    try:
+        ledger = Ledger.load(root)
+    except UserError:  # said in one line when the ledger is read for the rollback itself
+        return []
+    if not ledger.disabled_features:
+        return []
+    changed, already = safe_mode.switch_off(args, ledger.disabled_features)
+    warn0("safe mode after rollback %d: switched off %s (%s)%s", ledger.rollbacks,
+          ", ".join(ledger.disabled_features), "; ".join(changed) or "no argument changed",
+          f"; already off or not in this Megatron: {', '.join(already)}" if already else "")
+    return list(ledger.disabled_features)
+
+
+def built_model_facts(model_chunks: list) -> str:
+    """What the built model shows of safe mode: dropout probabilities and DDP's overlap flags."""
+    import torch
+
+    modules = [m for chunk in model_chunks for m in chunk.modules()]
+    dropouts = [m.p for m in modules if isinstance(m, torch.nn.Dropout)]
+    hidden = [m.hidden_dropout for m in modules if isinstance(getattr(m, "hidden_dropout", None), float)]
+    ddp = getattr(model_chunks[0], "ddp_config", None) if model_chunks else None
+    overlap = (f"overlap_grad_reduce={ddp.overlap_grad_reduce}, overlap_param_gather={ddp.overlap_param_gather}"
+               if ddp is not None else "no DDP config")
+    return (f"{sum(p > 0 for p in dropouts)} of {len(dropouts)} dropout modules with p > 0, "
+            f"{sum(h > 0 for h in hidden)} of {len(hidden)} layers with hidden_dropout > 0; {overlap}")
 
 
 def core_version() -> tuple:
@@ -170,7 +207,8 @@ class Rollback:
                 self._stop(f"resumed from iteration {args.iteration}, not the healthy checkpoint "
                            f"iteration {self._resume_from} the rollback asked for")
             self.restart.resumed({"resumed_from": int(args.iteration), "lr_scale": ledger.lr_scale,
-                                  "iterations_to_skip": list(args.iterations_to_skip or [])})
+                                  "iterations_to_skip": list(args.iterations_to_skip or []),
+                                  "disabled_features": list(ledger.disabled_features)})
             lr = optimizer.param_groups[0]["lr"] if optimizer.param_groups else None
             warn0("resumed from healthy checkpoint iteration %s with lr %s", args.iteration, lr)
 

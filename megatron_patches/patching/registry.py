@@ -151,6 +151,14 @@ TRAINING_TARGETS: tuple[PatchTarget, ...] = (
     ),
     PatchTarget(
         _TRAINING,
+        "setup_model_and_optimizer",
+        megatron_lm.setup_model_wrapper,
+        "Called once, after Megatron parsed its args and before it builds the model: safe mode on "
+        "retry switches off the features the ledger lists (recovery.disable_features) here.",
+        required=False,
+    ),
+    PatchTarget(
+        _TRAINING,
         "get_optimizer_param_scheduler",
         megatron_lm.scheduler_wrapper,
         "Called once, after the optimizer is built and before the checkpoint is loaded: "
