@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import hooks, inject, locate
+from . import inject, locate, model_chunks
 from .incidents import ParamFinding
 from .optimizer_params import model_grad
 from .protocols import Guard
@@ -71,8 +71,6 @@ def check_grads(monitor: Guard, group: Any, call: Callable[[], Any]) -> Any:
         _scope.reset(token)
     monitor.note_bucket_check()
     if scope.norms:
-        from .megatron_rerun import rerunning
-
         if rerunning():  # Megatron's rerun of the step in place: noted in the first run already
             log.info("step %d: non-finite local gradient again in Megatron's rerun of the step", monitor.upcoming_step())
             return result
@@ -168,8 +166,17 @@ def group_params(group: Any) -> list:
 def names_of(params: list) -> dict:
     """Names from the model chunks the optimizer was built for (the chunks holding ``params``)."""
     wanted = {id(p) for p in params}
-    for chunks in hooks.known_model_chunks():
+    for chunks in model_chunks.known():
         infos = locate.name_parameters(chunks)
         if wanted & infos.keys():
             return infos
     return {}
+
+
+def rerunning() -> bool:
+    """Whether Megatron is rerunning the current step in place (its findings were noted already)."""
+    try:
+        from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
+    except ImportError:
+        return False
+    return getattr(get_rerun_state_machine(), "state", None) == RerunState.RERUNNING_IN_PLACE

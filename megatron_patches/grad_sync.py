@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from . import bucket_check, inject
+from .patching.marks import already_hooked
 
 def start_grad_sync(monitor: Any, group: Any, call: Callable[[], Any]) -> Any:
     """Run ``start_grad_sync`` for ``group`` after this rank's part before the collective."""
@@ -83,6 +84,4 @@ def covers(model_chunks: list) -> bool:
 
 
 def _hooked(cls: type) -> bool:
-    from .patching import already_hooked
-
     return already_hooked(inspect.getattr_static(cls, "start_grad_sync", None))

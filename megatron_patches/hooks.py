@@ -12,14 +12,14 @@ import contextlib
 import contextvars
 import functools
 import inspect
-import weakref
 from typing import Any, Callable, Optional
 
-from . import inject
+from . import bucket_check, forward_origin, grad_sync, inject, megatron_rerun, served_norm
+from .integrations.mindspeed import undo_prepare_on_skip
+from .model_chunks import chunks_for, known, remember
 
 _monitor: Optional[Any] = None
 _inside_check = contextvars.ContextVar("megatron_patches_inside_check", default=False)
-_model_chunks: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,19 +38,8 @@ def get_monitor() -> Optional[Any]:
     return _monitor
 
 
-def model_chunks_for(optimizer: Any) -> Optional[list]:
-    """The model chunks ``get_megatron_optimizer`` built ``optimizer`` for, if seen."""
-    return _model_chunks.get(optimizer)
-
-
-def known_model_chunks() -> list[list]:
-    """The model-chunk lists of every optimizer seen, each once."""
-    seen, out = set(), []
-    for chunks in list(_model_chunks.values()):
-        if id(chunks) not in seen:
-            seen.add(id(chunks))
-            out.append(chunks)
-    return out
+model_chunks_for = chunks_for  # where the seams and the guard look them up: megatron_patches.model_chunks
+known_model_chunks = known
 
 
 def register_model(optimizer: Any, model_chunks: list) -> None:
@@ -58,12 +47,8 @@ def register_model(optimizer: Any, model_chunks: list) -> None:
     Done automatically for optimizers made by ``get_megatron_optimizer``; custom loops that
     build optimizers otherwise call this once."""
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    _model_chunks[optimizer] = chunks
-    for leaf in getattr(optimizer, "chained_optimizers", ()):
-        _model_chunks[leaf] = chunks
+    remember(optimizer, chunks)
     if _monitor is not None and inject.active().forward_specs():
-        from . import forward_origin
-
         forward_origin.attach_drills(_monitor, chunks)
 
 
@@ -90,8 +75,6 @@ def _checked_prepare(optimizer: Any, call: Callable[[], bool]) -> bool:
         _inside_check.reset(token)
     skip = _monitor.after_prepare_grads(optimizer, found_inf)
     if skip:  # step() returns now: undo what prepare_grads began (MindSpeed --reuse-fp32-param)
-        from .integrations.mindspeed import undo_prepare_on_skip
-
         undo_prepare_on_skip(optimizer)
     return skip
 
@@ -113,8 +96,6 @@ def get_grad_norm_wrapper(wrapped, instance, args, kwargs):
     """wrapt wrapper for ``get_grad_norm``: right after the guard checked these gradients, the
     total norm of its own pass; Megatron's computation otherwise (:mod:`megatron_patches.served_norm`)."""
     if getattr(_monitor, "checked_norm", None) is not None:
-        from . import served_norm
-
         norm = served_norm.take(_monitor, instance)
         if norm is not None:
             return norm
@@ -151,8 +132,6 @@ def check_grads_wrapper(wrapped, instance, args, kwargs):
     before the bucket's data-parallel collective): the guard owns the non-finite buckets."""
     if _monitor is None:
         return wrapped(*args, **kwargs)
-    from . import bucket_check
-
     if not bucket_check.owns(_monitor, _bind(wrapped, instance, args, kwargs).arguments["check_for_nan_or_inf"]):
         return wrapped(*args, **kwargs)
     return bucket_check.check_grads(_monitor, instance, lambda: wrapped(*args, **kwargs))
@@ -164,8 +143,6 @@ def start_grad_sync_wrapper(wrapped, instance, args, kwargs):
     first where Megatron's own check does not run for the guard (:mod:`megatron_patches.grad_sync`)."""
     if _monitor is None:
         return wrapped(*args, **kwargs)
-    from . import grad_sync
-
     return grad_sync.start_grad_sync(_monitor, instance, lambda: wrapped(*args, **kwargs))
 
 
@@ -175,8 +152,6 @@ def validate_result_wrapper(wrapped, instance, args, kwargs):
     (:mod:`megatron_patches.megatron_rerun`). Everything else passes through."""
     if _monitor is None:
         return wrapped(*args, **kwargs)
-    from . import megatron_rerun
-
     arguments = dict(_bind(wrapped, instance, args, kwargs).arguments)
     arguments.pop("self", None)
     return megatron_rerun.validate(_monitor, instance, arguments,
@@ -188,9 +163,7 @@ def should_run_forward_backward_wrapper(wrapped, instance, args, kwargs):
     checked step in place, the guard watches the forward pass (:mod:`megatron_patches.megatron_rerun`)."""
     again = wrapped(*args, **kwargs)
     if _monitor is not None:
-        from . import megatron_rerun
-
-        megatron_rerun.after_should_run(_monitor, instance, again)
+            megatron_rerun.after_should_run(_monitor, instance, again)
     return again
 
 

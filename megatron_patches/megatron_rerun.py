@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import bucket_check
+from . import bucket_check, forward_origin, model_chunks
 from .protocols import Guard
 
 log = logging.getLogger("megatron_patches")
@@ -142,24 +142,13 @@ def after_should_run(monitor: Guard, machine: Any, again: bool) -> None:
         first = trace.first()  # one host read, once per rerun
         _forward_first = (step, first) if first is not None else None
     elif _trace is None and in_place and bucket_check.checks_nonfinite(monitor):
-        from . import forward_origin, hooks
-
-        chunks = [chunk for chunk_list in hooks.known_model_chunks() for chunk in chunk_list]
+        chunks = [chunk for chunk_list in model_chunks.known() for chunk in chunk_list]
         _trace = (monitor.upcoming_step(), forward_origin.ForwardTrace(chunks).__enter__())
 
 
 def _state_name(machine: Any) -> str:
     state = getattr(machine, "state", None)
     return str(getattr(state, "name", state))
-
-
-def rerunning() -> bool:
-    """Whether Megatron is rerunning the current step in place (its findings were noted already)."""
-    try:
-        from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
-    except ImportError:
-        return False
-    return getattr(get_rerun_state_machine(), "state", None) == RerunState.RERUNNING_IN_PLACE
 
 
 def part(step: int) -> Optional[dict]:

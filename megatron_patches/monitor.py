@@ -35,6 +35,7 @@ from .config import Config
 from .errors import EXIT_USER_ERROR
 from .findings import local_findings
 from .incidents import Incident, Outcome
+from .integrations.mindspeed import undo_prepare_on_skip
 from .loss_scale import LossScaleWatch, ScalerEvent
 from .megatron_rerun import part as megatron_share
 from .origin import OriginWatch, PreReduction, named_grads
@@ -320,8 +321,6 @@ class GradMonitor:
     def replay_check(self, optimizer: Any, step: int) -> dict:
         """Run the check on gradients a loop has just recomputed for ``step`` (no update, no new
         incident). Returns ``{"flagged", "first"}``, identical on every rank."""
-        from .integrations.mindspeed import undo_prepare_on_skip
-
         with hooks.unchecked():  # Megatron's own prepare_grads: no second pass through the hooks
             found_inf = bool(optimizer.prepare_grads())
         self._step, self._step_set = step, False

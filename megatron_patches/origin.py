@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from . import locate
+from .bucket_check import names_of
 from .collectives import collective_device
 from .incidents import ParamFinding
 from .optimizer_params import model_grad
@@ -149,8 +150,6 @@ def _norm_findings(origin_norms: Optional[tuple]) -> list[ParamFinding]:
         return []
     chunks, params, norms = origin_norms
     if chunks is None:
-        from .bucket_check import names_of
-
         infos = names_of(params)
     else:
         infos = locate.name_parameters(chunks)

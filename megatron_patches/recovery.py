@@ -34,7 +34,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Optional, Protocol
 
-from . import checkpoint, inject, safe_mode
+from . import checkpoint, forward_origin, inject, model_chunks, safe_mode
 from .errors import UserError
 from .incidents import Incident, Outcome
 from .protocols import Guard
@@ -237,9 +237,7 @@ class InProcessRecovery:
     def _traced_replay(self, step: int) -> tuple[dict, Optional[dict]]:
         """Replay ``step`` with every module's output watched: the replay's verdict, and where
         the forward pass first went non-finite (rank 0; None elsewhere or when it stayed finite)."""
-        from . import forward_origin, hooks
-
-        chunks = [chunk for chunk_list in hooks.known_model_chunks() for chunk in chunk_list]
+        chunks = [chunk for chunk_list in model_chunks.known() for chunk in chunk_list]
         self.monitor.set_step(step)  # the replayed forward is step ``step`` again (forward drills)
         with forward_origin.ForwardTrace(chunks) as trace:
             replay = self.loop.replay_step(step)

@@ -241,9 +241,16 @@ def test_a_baseline_of_raw_norms_from_an_older_version_is_dropped(caplog):
 
     old = {"version": 1, "checks": 40, "total": {"mean": [0.1], "var": [0.01], "count": [40.0], "last": [0.1],
                                                  "run": [0.0]}}
+    import logging
+
     detector = HistoryDetector(HistoryConfig())
-    with caplog.at_level("WARNING"):
-        detector.load_state_dict(old)
+    logger = logging.getLogger("megatron_patches")  # an earlier runtime.install() may have stopped propagation
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("WARNING", logger="megatron_patches"):
+            detector.load_state_dict(old)
+    finally:
+        logger.removeHandler(caplog.handler)
     assert "older kind" in caplog.text
     assert "total" not in detector.state_dict()  # warms up again instead of judging shares by norms
 

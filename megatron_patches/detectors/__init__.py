@@ -14,102 +14,18 @@ rank 0 alone and must not communicate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
-import torch
+from .base import CheckContext, Detector, Rotation
+from .consistency import ConsistencyDetector
+from .history import HistoryDetector
+from .peers import PeersDetector
 
-
-@dataclass
-class CheckContext:
-    """What a detector sees on one checked step (this rank's view)."""
-
-    step: int
-    entries: list
-    """The monitor's ``Entry`` objects (megatron_patches.optimizer_params) whose gradients are present (same order as grads)."""
-    grads: list
-    norms: Optional[torch.Tensor]
-    """L2 norm of each gradient in ``grads`` on the device (fp32), None on a rank without any."""
-    device: torch.device
-    total_norm: float = float("nan")
-    """World-wide total gradient norm; set once the reduced vector has been read."""
-    layer_norms: Optional[list] = None
-    """World-wide per-layer norms (layers..., embedding, output); set with total_norm."""
-
-
-@dataclass(frozen=True)
-class Rotation:
-    """Which checks a detector judges (every ``interval``-th) and which share of the tensors it
-    covers on each: with ``fraction`` 1/m, tensor ``i`` on the judged checks whose turn is
-    ``i % m``, so every tensor once in m judged checks. Checks count from 1."""
-
-    interval: int = 1
-    fraction: float = 1.0
-
-    @property
-    def period(self) -> int:
-        """m: judged checks that it takes to cover every tensor once (1: all on each)."""
-        return max(1, round(1.0 / self.fraction))
-
-    def due(self, check: int) -> bool:
-        """Whether the ``check``-th check is judged."""
-        return (check - 1) % self.interval == 0
-
-    def turn(self, check: int) -> int:
-        """Which share the ``check``-th check covers, in ``range(period)``."""
-        return ((check - 1) // self.interval) % self.period
-
-    def covers(self, index: int, check: int) -> bool:
-        """Whether tensor ``index`` is in the share of the ``check``-th check."""
-        return index % self.period == self.turn(check)
-
-
-class Detector:
-    """Base class: override what you need. Every method runs on every rank."""
-
-    name = "detector"
-
-    def width(self) -> int:
-        """Floats this detector adds to the reduced vector; fixed for the run, equal on all ranks."""
-        return 0
-
-    def local(self, ctx: CheckContext, out: torch.Tensor) -> None:
-        """Fill ``out`` (``width`` floats, zeros on entry) with device ops only: no host reads."""
-
-    def verdict(self, ctx: CheckContext, reduced: list) -> list:
-        """Kinds flagged this step (e.g. ``["zscore"]``) from the world-wide sums in ``reduced``
-        alone: no collective, so every rank decides alike without talking."""
-        return []
-
-    def suspects(self, ctx: CheckContext, norm_list: list) -> dict:
-        """Slow path: ``{index into ctx.entries: [reasons]}`` for this rank's parameters. Runs
-        on every rank of a flagged step (in an incident and in its replay), so this is where a
-        detector may run the collectives that name its suspects."""
-        return {}
-
-    def extra(self, ctx: CheckContext, reduced: list) -> dict:
-        """Slow path: fields this detector adds to the incident record (rank 0's view)."""
-        return {}
-
-    def commit(self, ctx: CheckContext, accepted: bool) -> None:
-        """After the decision: ``accepted`` is False when the step was skipped or rolled back."""
-
-    def before_reduction(self, model_chunks: list, step: int) -> None:
-        """Right before the data-parallel gradient reduction of a step."""
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
+__all__ = ["CheckContext", "Detector", "Rotation", "build"]
 
 
 def build(config: Any) -> list:
     """The detectors ``config`` switches on, in a fixed order (the vector layout depends on it)."""
-    from .consistency import ConsistencyDetector
-    from .history import HistoryDetector
-    from .peers import PeersDetector
-
     settings = config.detectors
     detectors: list = []
     if settings.history.enabled:

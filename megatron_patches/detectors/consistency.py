@@ -38,8 +38,8 @@ from typing import Any, Optional
 
 import torch
 
-from .. import collectives
-from . import CheckContext, Detector, Rotation
+from .. import collectives, locate
+from .base import CheckContext, Detector, Rotation
 
 log = logging.getLogger("megatron_patches")
 
@@ -74,8 +74,6 @@ def _tensor_sums(tensors: list) -> torch.Tensor:
 
 
 def _parallel_state():
-    from .. import locate
-
     return locate._parallel_state()
 
 
@@ -267,8 +265,6 @@ class ConsistencyDetector(Detector):
 
     def _localize(self, ctx: CheckContext, found: dict) -> None:
         """Slow path, on every rank: name the tensors that differ, and where the suspects run."""
-        from .. import locate
-
         key, ranks, group = self._dp_group()
         names, tensors = self._named_tensors(ctx)
         sums = _tensor_sums(tensors).tolist() if tensors else []
@@ -298,8 +294,6 @@ class ConsistencyDetector(Detector):
         if self._mode == "grads":
             pairs = [(e.info.name, g) for e, g in zip(ctx.entries, ctx.grads) if getattr(e.model, "allreduce", True)]
         else:
-            from .. import locate
-
             infos = locate.name_parameters(self._live_chunks())
             pairs = [(infos[id(p)].name if id(p) in infos else f"param[{i}]", p.detach())
                      for i, p in enumerate(p for c in self._live_chunks() for p in c.parameters())

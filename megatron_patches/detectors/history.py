@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .. import collectives, locate
-from . import CheckContext, Detector, Rotation
+from .base import CheckContext, Detector, Rotation
 
 log = logging.getLogger(__name__)
 

@@ -46,8 +46,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .. import collectives
-from . import CheckContext, Detector, Rotation
+from .. import collectives, locate
+from .base import CheckContext, Detector, Rotation
 
 log = logging.getLogger("megatron_patches")
 
@@ -170,8 +170,6 @@ class PeersDetector(Detector):
         # distributed optimizer a rank holds shards of only some tensors, and every rank must
         # number the roles alike.
         if self._model_roles is None:
-            from .. import locate
-
             infos = locate.name_parameters(model_chunks).values()
             self._model_roles = sorted({role_of(i.name) for i in infos if i.layer is not None})
 

@@ -27,12 +27,10 @@ import wrapt
 from .. import versions
 from ..errors import UnsupportedVersionError
 from ..integrations import mindspeed
+from .marks import _our_wrapper, already_hooked
 from .registry import MEGATRON_CORE_SUPPORTED, TARGETS, TRAINING_TARGETS, PatchTarget
 
 log = logging.getLogger("megatron_patches")
-
-_MARK = "__megatron_patches__"
-
 
 @dataclass
 class _Installed:
@@ -80,35 +78,12 @@ def _resolve(module_name: str, qualname: str) -> tuple[Any, str]:
     return owner, name
 
 
-def _our_wrapper(obj: Any) -> Any:
-    """Our ``FunctionWrapper`` when ``obj`` is one, or a ``BoundFunctionWrapper`` made from one
-    (what ``getattr(cls, name)`` returns: MindSpeed's patch manager captures originals that way,
-    and puts that object back on the class when it removes its patches); else None."""
-    if isinstance(obj, wrapt.FunctionWrapper):
-        return obj if getattr(obj, "_self_megatron_patches", False) else None
-    if isinstance(obj, wrapt.BoundFunctionWrapper):
-        return _our_wrapper(getattr(obj, "_self_parent", None))
-    return None
-
-
-def already_hooked(obj: Any) -> bool:
-    """True when the object already calls our hooks: a source patch, our own wrapper (bound or
-    not), or a decorator that keeps one of those in its ``__wrapped__`` chain."""
-    for _ in range(32):
-        if obj is None:
-            return False
-        if getattr(obj, _MARK, False) or _our_wrapper(obj) is not None:
-            return True
-        obj = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else getattr(obj, "__wrapped__", None)
-    return False
-
-
 def _current(owner: Any, name: str) -> Any:
     return owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
 
 
 def _wrap(target: PatchTarget, owner: Any, name: str, original: Any) -> Any:
-    wrapped = wrapt.FunctionWrapper(original, _checked(target.wrapper))
+    wrapped = wrapt.FunctionWrapper(original, _checked(target.resolve()))
     wrapped._self_megatron_patches = True
     setattr(owner, name, wrapped)
     _installed.append(_Installed(target, owner, name, original, wrapped))

@@ -1,0 +1,89 @@
+"""The package's import graph has no cycle, counting imports inside functions (issue 22): a seam
+that needs the dispatcher, or the registry that needs the code it wires, is a design smell the
+function-level import only hides."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from megatron_patches.patching.registry import TARGETS, TRAINING_TARGETS
+
+pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)
+
+PACKAGE = Path(__file__).resolve().parent.parent / "megatron_patches"
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        dotted = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        modules[dotted.removesuffix(".__init__")] = path
+
+    def owner(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(max(node.level - 1, 0)):
+                    base = base.rpartition(".")[0]
+                source = (base + ("." + node.module if node.module else "")) if node.level else (node.module or "")
+                targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names]
+            else:
+                continue
+            graph[name] |= {owner(t) for t in targets if t.startswith("megatron_patches")} - {name, ""}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(node):
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_package_has_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_one():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_registry_names_its_wrappers_and_each_resolves_to_a_function():
+    for target in TARGETS + TRAINING_TARGETS:
+        assert isinstance(target.wrapper, str) and target.wrapper.startswith("megatron_patches.")
+        assert callable(target.resolve()), target.wrapper
