@@ -717,6 +717,21 @@ def test_a_misspelled_config_key_is_one_line_and_exit_2_on_every_rank(loop_kind,
 
 
 @pytest.mark.multiproc
+def test_a_ledger_nobody_can_apply_is_one_line_and_exit_2_before_the_first_iteration(loop_kind, request, tmp_path):
+    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / LEDGER_FILE).write_text('{"schema": "megatron_patches.ledger/1", "lr_scale": NaN, "rollbacks": 1}')
+    proc = loop.run(guard_env(tmp_path), "--save", str(save), "--load", str(save), "--save-interval", "2")
+    output = proc.stdout + proc.stderr
+    codes = set(re.findall(r"exitcode\s*: (-?\d+)", output))
+    assert "2" in codes and codes <= {"2", "-15"}, output[-4000:]
+    [line] = [line for line in output.splitlines() if LEDGER_FILE in line and "`lr_scale`" in line]
+    assert line.startswith("[megatron_patches] ledger ") and "move it away" in line
+    assert "Traceback" not in output.split("failed (exitcode")[0] and iterations(output) == {}
+
+
+@pytest.mark.multiproc
 def test_tensor_parallel_names_the_parameter_and_its_tensor_parallel_rank(loop_kind, request, tmp_path):
     """TP2 through Megatron-LM's own loop (its validation asks CUDA for the device arch: the CPU
     runtime answers a Hopper part's, so CUDA_DEVICE_MAX_CONNECTIONS=1 is needed as on such GPUs).

@@ -46,6 +46,7 @@ from .megatron_lm_checkpoints import (STATE_DIR, TRACKER_FILE, CheckpointMarks, 
                                       read_tracker, saved_lr_scale, state_file, warn0, write_marker)
 from .megatron_lm_rollback import (Rollback, built_model_facts, core_version, skip_iterations,
                                    switch_off_for_retry, to_iterations_to_skip)
+from ..errors import EXIT_USER_ERROR, UserError
 from ..protocols import Guard
 from ..response import EXIT_ROLLBACK
 
@@ -95,7 +96,12 @@ class MegatronLMSession:
             warn0("neither --save nor --load given: a rollback decision exits with %d but "
                   "there is no checkpoint or ledger to resume from", EXIT_ROLLBACK)
             return
-        self.rollback = Rollback(self.monitor, self.root)
+        try:
+            self.rollback = Rollback(self.monitor, self.root)
+        except UserError as error:  # a ledger nobody can apply: one line, every rank exits 2
+            if collectives.rank() == 0:
+                log.error("%s", error)
+            raise SystemExit(EXIT_USER_ERROR) from None
         self.monitor.before_exit.append(self._finalize_saves)  # before the ledger and the exit
         self.rollback.before_load(args, optimizer)
 
