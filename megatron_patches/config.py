@@ -57,6 +57,10 @@ def _known_features(value: Any) -> Optional[str]:
     return None
 
 
+def _known_feature_stages(value: Any) -> Optional[str]:
+    return _known_features([name for stage in value or () for name in stage])
+
+
 def _above_one(value: Any) -> Optional[str]:
     if value is not None and not value > 1:
         return "must be > 1"
@@ -277,6 +281,11 @@ class RecoveryConfig:
     from :data:`megatron_patches.safe_mode.FEATURES` (``dropout``, ``overlap_grad_reduce``, ...) or a
     group (``fusions``, ``overlap``). Megatron-LM's loop sets their arguments before it builds the
     model; the harness knows ``dropout`` only (the others are not in its model)."""
+    disable_on_further_rollbacks: tuple[tuple[str, ...], ...] = field(
+        default=(), metadata={"check": _known_feature_stages})
+    """Safe mode that grows with the retries: the k-th list is switched off as well from the job's
+    (k+1)-th rollback on, e.g. ``[[fusions], [overlap]]``: the second rollback adds the fusions,
+    the third the overlap. Names as in ``disable_features``; empty: nothing more after the first."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -92,12 +92,15 @@ class Ledger:
 
     def record_rollback(self, recovery: Any, samples: list) -> list:
         """One more rollback under ``recovery`` (the config section): blacklist ``samples``, lower
-        the learning-rate scale (never under the floor), switch off the configured features.
-        Returns the features switched off now for the first time."""
+        the learning-rate scale (never under the floor), switch off the configured features
+        (``disable_features``, and the lists of ``disable_on_further_rollbacks`` this rollback has
+        reached). Returns the features switched off now for the first time."""
         self.blacklist = sorted(set(self.blacklist) | set(samples))
         self.rollbacks += 1
         self.lr_scale = max(self.lr_scale * recovery.lr_factor, recovery.lr_floor)
-        new = [name for name in recovery.disable_features if name not in self.disabled_features]
+        stages = recovery.disable_on_further_rollbacks[:self.rollbacks - 1]
+        wanted = list(recovery.disable_features) + [name for stage in stages for name in stage]
+        new = [name for name in dict.fromkeys(wanted) if name not in self.disabled_features]
         self.disabled_features += new
         return new
 

@@ -136,3 +136,18 @@ def test_a_directory_where_the_ledger_should_be_is_refused(tmp_path):
     (tmp_path / LEDGER_FILE).mkdir()
     with pytest.raises(UserError, match="cannot be read as JSON"):
         Ledger.load(str(tmp_path))
+
+
+def test_safe_mode_grows_by_one_list_on_each_further_rollback():
+    settings = recovery(disable_features=["dropout"], disable_on_further_rollbacks=[["fusions"], ["overlap", "dropout"]])
+    ledger = Ledger()
+    assert [ledger.record_rollback(settings, []) for _ in range(4)] == [["dropout"], ["fusions"], ["overlap"], []]
+    assert ledger.disabled_features == ["dropout", "fusions", "overlap"]
+
+
+def test_an_unknown_name_in_a_later_list_is_refused():
+    from megatron_patches.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="disable_on_further_rollbacks` names no feature the guard can switch off "
+                                          r"\(fp8\)"):
+        recovery(disable_on_further_rollbacks=[["fusions"], ["fp8"]])
