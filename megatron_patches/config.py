@@ -274,8 +274,10 @@ class RecoveryConfig:
     blacklist: Literal["always", "deterministic"] = "always"
     """Which samples a rollback skips: the batches of the incident steps (always), or only
     those a replay reproduced the fault on (deterministic)."""
-    keep_checkpoints: int = field(default=3, metadata={"check": _at_least_one})
-    """Checkpoints kept by retention; the newest healthy one is never deleted."""
+    keep_checkpoints: Optional[int] = field(default=None, metadata={"check": _at_least_one})
+    """The harness's retention: checkpoints it keeps (None: 3); the newest healthy one is never
+    deleted. Megatron-LM's loop keeps every checkpoint it saves and the guard deletes none there,
+    so a Megatron-LM job that sets this key is refused at start (one line, exit 2)."""
     disable_features: tuple[str, ...] = field(default=(), metadata={"check": _known_features})
     """Features switched off in the job that resumes after a rollback (safe mode on retry): names
     from :data:`megatron_patches.safe_mode.FEATURES` (``dropout``, ``overlap_grad_reduce``, ...) or a

@@ -732,6 +732,20 @@ def test_a_ledger_nobody_can_apply_is_one_line_and_exit_2_before_the_first_itera
 
 
 @pytest.mark.multiproc
+def test_the_harness_retention_key_is_refused_in_megatron_lms_loop(loop_kind, request, tmp_path):
+    """keep_checkpoints is the harness's: in Megatron-LM's loop the guard deletes no checkpoint, so a
+    job that sets it would believe in a retention nobody applies (issue 25 saw 4 kept with 3)."""
+    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
+    proc = loop.run(guard_env(tmp_path, recovery={"keep_checkpoints": 3}))
+    output = proc.stdout + proc.stderr
+    codes = set(re.findall(r"exitcode\s*: (-?\d+)", output))
+    assert "2" in codes and codes <= {"2", "-15"}, output[-4000:]
+    [line] = [line for line in output.splitlines() if "keep_checkpoints" in line and "harness" in line]
+    assert line.startswith("[megatron_patches] recovery.keep_checkpoints is the tiny-GPT harness's retention")
+    assert iterations(output) == {}
+
+
+@pytest.mark.multiproc
 def test_tensor_parallel_names_the_parameter_and_its_tensor_parallel_rank(loop_kind, request, tmp_path):
     """TP2 through Megatron-LM's own loop (its validation asks CUDA for the device arch: the CPU
     runtime answers a Hopper part's, so CUDA_DEVICE_MAX_CONNECTIONS=1 is needed as on such GPUs).

@@ -90,6 +90,11 @@ class MegatronLMSession:
             return
         args = get_args()
         _refuse_unsupported(args, optimizer)
+        if self.monitor.config.recovery.keep_checkpoints is not None:
+            if collectives.rank() == 0:
+                log.error("recovery.keep_checkpoints is the tiny-GPT harness's retention; Megatron-LM's loop "
+                          "keeps every checkpoint it saves and megatron_patches deletes none there: remove the key")
+            raise SystemExit(EXIT_USER_ERROR)
         _advise(args)
         self.root = args.save or args.load
         if self.root is None:

@@ -194,7 +194,7 @@ class TinyTrainer:
 
         extra = {"sampler": self.sampler.state_dict(),
                  "monitor": self.monitor.state_dict() if self.monitor is not None else None}
-        keep = self.monitor.config.recovery.keep_checkpoints if self.monitor is not None else 3
+        keep = (self.monitor.config.recovery.keep_checkpoints if self.monitor is not None else None) or 3
         save_checkpoint(self.checkpoint_root, step, self.model, self.optimizer, self.scheduler, extra,
                         healthy=healthy, keep=keep)
 
