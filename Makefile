@@ -20,7 +20,7 @@ NPROC ?= 4
 MEGATRON ?=
 PYTEST_ARGS ?=
 
-.PHONY: install test test-all demo bench patch unpatch patch-status clean
+.PHONY: install test test-all demo bench gpu-check patch unpatch patch-status clean
 
 # One stamp per megatron-core request: asking for another release installs it.
 STAMP := $(VENV)/.installed-$(or $(MEGATRON_CORE),newest)
@@ -58,6 +58,11 @@ demo: install
 
 bench: install
 	$(VPY) scripts/bench_overhead.py --out bench.json
+
+# The device check (8 minutes at most): nccl, bf16, drills, guard on/off, the bench; results in
+# runs/gpu_check. GPU_CHECK_ARGS=--dry-run runs it on the CPU.
+gpu-check: install
+	PYTHON=$(VPY) bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
 
 patch: install
 	@test -n "$(MEGATRON)" || { echo "usage: make patch MEGATRON=/path/to/Megatron-LM"; exit 2; }
