@@ -5,9 +5,10 @@ sum of squares and reads it to the host. On a checked step the guard has just do
 over the same gradients (:meth:`~megatron_patches.monitor.GradMonitor._check`), and its total
 counts each element once the way Megatron's does (shared and tensor-parallel duplicate
 parameters left out; from 0.19 the parameters of a separate grad-norm group such as MTP too).
-So the ``get_grad_norm`` wrapper (:func:`megatron_patches.hooks.get_grad_norm_wrapper`) hands
-that total back instead of recomputing it, when all of these hold, and runs Megatron's own code
-otherwise:
+So, with ``serve_norm: true`` (off by default: the guard's sum differs from Megatron's in the
+last bits, and a guarded run should equal an unguarded one bit for bit), the ``get_grad_norm``
+wrapper (:func:`megatron_patches.hooks.get_grad_norm_wrapper`) hands that total back instead of
+recomputing it, when all of these hold, and runs Megatron's own code otherwise:
 
 - a monitor is active and checked the gradients of this step (with ``check_interval`` > 1 the
   unchecked steps compute the norm as stock does);

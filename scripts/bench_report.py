@@ -20,7 +20,10 @@ TITLES = {
     "D": "naive per-parameter loop",
     "E": "patched, default config as shipped",
 }
-LIMITS = {"step_overhead_pct": 2.0, "default_extra_read_passes": 0.1, "default_extra_host_reads": 0.0,
+# The default config leaves Megatron's own norm pass (and its host read) in place, so that a guarded
+# run equals an unguarded one bit for bit: the guard's own pass and read are extra (serve_norm: true
+# folds them into Megatron's and measured 0 and 0 before it became opt-in; docs/bench.md).
+LIMITS = {"step_overhead_pct": 2.0, "default_extra_read_passes": 1.1, "default_extra_host_reads": 1.0,
           "all_detectors_read_passes": 1.1, "host_reads": 1.0, "memory_pct": 1.0}
 DP2_NPROC = 2
 

@@ -1,6 +1,7 @@
 """The tiny-GPT harness with Megatron's norm computation watched: ``python tests/norm_audit.py
 --out DIR [harness args]`` (under torchrun too) trains as ``python -m megatron_patches.tiny_gpt``
-does and writes ``DIR/norm_audit.rank<R>.json``:
+does and writes ``DIR/norm_audit.rank<R>.json``; with ``--run-module M`` first, module ``M`` runs
+instead with the remaining arguments (``megatron_patches.testing.pretrain_cpu``: Megatron-LM's loop):
 
 - ``stock_calls``: the step of each call of megatron-core's ``get_grad_norm_fp32`` made by
   Megatron's own optimizer code (the function that reads the gradients for the norm);
@@ -55,13 +56,19 @@ def audited_take(monitor, optimizer):
 
 
 def main() -> int:
-    out = sys.argv[sys.argv.index("--out") + 1]
+    args = sys.argv[1:]
+    out = args[args.index("--out") + 1]
+    module = "megatron_patches.tiny_gpt"
+    if args[:1] == ["--run-module"]:  # another runner, which takes no --out
+        module, args = args[1], args[2:]
+        at = args.index("--out")
+        del args[at:at + 2]
     megatron_optimizer.get_grad_norm_fp32 = counted_get_grad_norm_fp32
     served_norm.take = audited_take
-    sys.argv = ["megatron_patches.tiny_gpt", *sys.argv[1:]]
+    sys.argv = [module, *args]
     code = 0
     try:
-        runpy.run_module("megatron_patches.tiny_gpt", run_name="__main__")
+        runpy.run_module(module, run_name="__main__")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     finally:

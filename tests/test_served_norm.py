@@ -1,10 +1,13 @@
-"""Megatron's clipping norm comes from the guard's own checked pass (megatron_patches.served_norm):
-the value Megatron's own code would give, without Megatron reading the gradients a second time."""
+"""With ``serve_norm: true`` Megatron's clipping norm comes from the guard's own checked pass
+(megatron_patches.served_norm): the value Megatron's own code would give, without Megatron reading
+the gradients a second time. By default Megatron computes it, and a guarded run equals an unguarded
+one bit for bit."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,13 +15,24 @@ from pathlib import Path
 import pytest
 
 from conftest import Run, assert_trained
+from megatron_patches.testing.pretrain_cpu import TINY_GPT_ARGS
+from test_megatron_lm import REPO, _packaged_loop_available
 
 AUDIT = Path(__file__).with_name("norm_audit.py")
+ITERATION = re.compile(r"iteration\s+(\d+)/.*?(lm loss: \S+).*?(grad norm: \S+)")
 
 
-def run_audited(out: Path, *args: str, nproc: int = 1) -> tuple[dict, list[dict]]:
-    """Train with tests/norm_audit.py (the harness, Megatron's norm computation watched); returns
-    result.json and each rank's audit."""
+SERVING = "serve_norm: true\n"
+
+
+def run_audited(out: Path, *args: str, nproc: int = 1, config: str | None = SERVING) -> tuple[dict, list[dict]]:
+    """Train with tests/norm_audit.py (the harness, Megatron's norm computation watched) under the
+    guard config ``config`` (YAML text; default: serving the norm); returns result.json and each
+    rank's audit."""
+    if config is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "guard.yaml").write_text(config)
+        args = (*args, "--config", str(out / "guard.yaml"))
     runner = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
         if nproc > 1 else [sys.executable]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -64,9 +78,7 @@ def test_parallel_norm_served(tmp_path, args):
 def test_unchecked_steps_compute_the_norm_as_stock(tmp_path):
     """check_interval 2: the guard serves the checked (even) steps; on the others Megatron computes
     the norm itself, once per step."""
-    config = tmp_path / "guard.yaml"
-    config.write_text("check_interval: 2\n")
-    result, (audit,) = run_audited(tmp_path / "out", "--steps", "6", "--config", str(config))
+    result, (audit,) = run_audited(tmp_path / "out", "--steps", "6", config=SERVING + "check_interval: 2\n")
     assert result["monitor"]["checked_steps"] == 3 and result["monitor"]["served_norms"] == 3
     assert audit["stock_calls"] == [1, 3, 5], audit
     assert [s for s, _, _ in audit["served"]] == [2, 4, 6], audit
@@ -75,7 +87,7 @@ def test_unchecked_steps_compute_the_norm_as_stock(tmp_path):
 
 
 def test_without_the_guard_megatron_computes_every_norm(tmp_path):
-    result, (audit,) = run_audited(tmp_path, "--steps", "3", "--no-guard")
+    result, (audit,) = run_audited(tmp_path, "--steps", "3", "--no-guard", config=None)
     assert result["monitor"] is None
     assert audit == {"stock_calls": [-1, -1, -1], "served": []}
 
@@ -90,3 +102,44 @@ def test_a_skipped_step_serves_nothing_stale(tmp_path):
     assert [s for s, _, _ in audit["served"]] == [1, 2, 4, 5], audit
     for step, ours, stock in audit["served"]:
         assert abs(ours - stock) <= 1e-6 * abs(stock), (step, ours, stock)
+
+
+def test_by_default_megatron_computes_every_norm_under_the_guard(tmp_path):
+    """``serve_norm`` off (the default): the guard checks every step, Megatron computes its own
+    norm on every one of them."""
+    result, (audit,) = run_audited(tmp_path, "--steps", "3", config="")
+    assert result["monitor"]["checked_steps"] == 3 and result["monitor"]["served_norms"] == 0
+    assert audit == {"stock_calls": [1, 2, 3], "served": []}
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(not _packaged_loop_available(), reason="megatron-core ships megatron/training from 0.17 on")
+@pytest.mark.parametrize("layout", [
+    ("--bf16", "--use-distributed-optimizer"),
+    ("--fp16", "--initial-loss-scale", "65536", "--use-distributed-optimizer"),
+    (),  # fp32, plain DDP
+    ("--bf16", "--tensor-model-parallel-size", "2"),
+    ("--bf16", "--pipeline-model-parallel-size", "2"),
+    ("--bf16", "--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
+     "--disable-bias-linear", "--moe-token-dispatcher-type", "alltoall"),
+], ids=["dp2-bf16-distopt", "dp2-fp16-distopt", "dp2-fp32", "tp2-bf16", "pp2-bf16", "moe-ep2-bf16"])
+def test_a_guarded_megatron_lm_run_equals_an_unguarded_one_bit_for_bit(tmp_path, layout):
+    """Megatron-LM's packaged loop on 2 ranks, 20 iterations, the same seed: with the guard
+    (default config) and without it (the runner's --no-guard) every iteration's loss and grad
+    norm are the same to the digits Megatron prints. With serve_norm on, 14 of the first 20
+    bf16 DP2 losses differed."""
+    config = tmp_path / "guard.yaml"
+    config.write_text(f"report_dir: {tmp_path / 'reports'}\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MEGATRON_PATCHES_CONFIG": str(config),
+           "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    lines, outputs = {}, {}
+    for mode in ((), ("--no-guard",)):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                   "-m", "megatron_patches.testing.pretrain_cpu", *TINY_GPT_ARGS, "--train-iters", "20",
+                   *layout, *mode]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        outputs[mode], lines[mode] = proc.stdout + proc.stderr, ITERATION.findall(proc.stdout)
+    assert "[megatron_patches] guarding megatron-core" in outputs[()]
+    assert "[megatron_patches]" not in outputs[("--no-guard",)]
+    assert len(lines[()]) == 20 and lines[()] == lines[("--no-guard",)], lines

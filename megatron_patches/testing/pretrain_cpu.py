@@ -6,6 +6,9 @@ loop the megatron-core package ships (0.17+).
     torchrun --nproc-per-node 2 -m megatron_patches.testing.pretrain_cpu \\
         --distributed-backend gloo ...                      (Megatron arguments only)
 
+``--no-guard`` (the runner's own flag, anywhere among the arguments) runs the packaged loop without
+``import megatron_patches.apply``: the unguarded run a guarded one is compared with.
+
 With a script, its directory goes first on ``sys.path``, so ``megatron`` (core and training) is the
 checkout's, source patches included. Then :mod:`megatron_patches.testing.megatron_lm_cpu` installs
 the CPU redirects and the script runs as ``__main__`` with ``sys.argv`` set to its own arguments.
@@ -45,6 +48,9 @@ configuration the tests use, and a starting point for CPU-only CI runners."""
 USAGE = ("usage: python -m megatron_patches.testing.pretrain_cpu [PATH/pretrain_gpt.py] [MEGATRON ARGS...]\n"
          "  without a script, megatron-core's packaged loop (0.17+) trains megatron_patches' tiny GPT")
 
+WITHOUT_GUARD = "--no-guard"
+"""The runner's flag for the packaged loop without the guard (not a Megatron argument)."""
+
 # Import names whose distribution is called otherwise on the package registry.
 _DISTRIBUTIONS = {"yaml": "pyyaml", "google.protobuf": "protobuf"}
 
@@ -83,7 +89,10 @@ def _run_packaged(args: list[str]) -> None:
     from megatron_patches.testing import gpt_loop, megatron_lm_cpu
 
     megatron_lm_cpu.install()
-    import megatron_patches.apply  # noqa: F401  (the user's opt-in line)
+    if WITHOUT_GUARD in args:
+        args = [a for a in args if a != WITHOUT_GUARD]
+    else:
+        import megatron_patches.apply  # noqa: F401  (the user's opt-in line)
 
     sys.argv = [sys.argv[0], *args]
     gpt_loop.run()
