@@ -125,12 +125,9 @@ def nonfinite_params(group: Any) -> list[ParamFinding]:
         nan, inf = int(torch.isnan(grad).sum()), int(torch.isinf(grad).sum())
         if not (nan or inf):
             continue
-        info = infos.get(id(param))
-        findings.append(ParamFinding(
-            name=info.name if info else f"<unnamed {tuple(param.shape)}>", layer=info.layer if info else None,
-            shape=list(param.shape), nan=nan, inf=inf, overflow=0, norm=None, ranks=locate.param_ranks(ranks, info),
-            host=host, device=device, order=info.order if info else -1,
-            reasons=(["nan"] if nan else []) + (["inf"] if inf else [])))
+        findings.append(ParamFinding.located(
+            infos.get(id(param)), ranks, shape=list(param.shape), nan=nan, inf=inf, overflow=0, norm=None,
+            host=host, device=device, reasons=(["nan"] if nan else []) + (["inf"] if inf else [])))
     return findings
 
 

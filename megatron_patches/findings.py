@@ -9,13 +9,12 @@ the fault entered and builds the incident once (:func:`assemble`).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
 from types import MappingProxyType
 from typing import Any, Optional
 
 import torch
 
-from . import locate, megatron_rerun
+from . import locate, megatron_rerun, moe_routing
 from .detectors import CheckContext
 from .incidents import Incident, ParamFinding, finite_or_none
 from .response import Decision
@@ -65,11 +64,9 @@ def local_findings(config: Any, detectors: list, ctx: CheckContext, maxabs: Opti
             overflow = int((grad.abs() >= torch.finfo(entry.model.dtype).max).sum())
         if "nonfinite" in reasons:
             reasons = [r for r in reasons if r != "nonfinite"] + (["nan"] if nan else []) + (["inf"] if inf else [])
-        findings.append(ParamFinding(
-            name=entry.info.name, layer=entry.info.layer, shape=list(entry.model.shape),
-            nan=nan, inf=inf, overflow=overflow, norm=finite_or_none(norm_list[i]),
-            ranks=locate.param_ranks(ranks, entry.info),
-            host=host, device=device, order=entry.info.order, shard=entry.shard, reasons=reasons))
+        findings.append(ParamFinding.located(
+            entry.info, ranks, shape=list(entry.model.shape), nan=nan, inf=inf, overflow=overflow,
+            norm=finite_or_none(norm_list[i]), host=host, device=device, shard=entry.shard, reasons=reasons))
     return findings
 
 
@@ -80,10 +77,41 @@ def first_name(findings: list[ParamFinding]) -> Optional[str]:
 
 def origins_of(everyone: list) -> tuple[list[int], int]:
     """(global ranks whose own gradients were non-finite before the reduction, how many
-    data-parallel replicas they are) from every rank's gathered part."""
+    independent replicas they are) from every rank's gathered part.
+
+    Without expert parallelism a replica is a data-parallel rank: its tensor- and pipeline-parallel
+    ranks exchange activations within the step, so a fault on one reaches the others before any
+    check. With EP > 1 the ranks of one expert-parallel group exchange tokens through the
+    all-to-all, so one fault reaches all of them in the same step (an expert's NaN poisons the
+    other ranks' losses, a NaN in its input gradient goes back to the rank that sent the tokens):
+    there they count once, as their expert-data-parallel rank (:func:`replica_of`)."""
     origins = sorted(part["ranks"]["global"] for part in everyone if part["origin"])
-    dp_of = {part["ranks"]["global"]: part["ranks"]["dp"] for part in everyone}
-    return origins, len({dp_of.get(r, r) for r in origins})
+    replica = replica_of(everyone)
+    return origins, len({replica.get(r, r) for r in origins})
+
+
+def _expert_parallel(everyone: list) -> bool:
+    return any(part["ranks"].get("ep", 0) > 0 for part in everyone)
+
+
+def replica_of(everyone: list) -> dict[int, int]:
+    """Global rank -> the independent replica it belongs to (see :func:`origins_of`)."""
+    key = "edp" if _expert_parallel(everyone) else "dp"
+    return {part["ranks"]["global"]: part["ranks"].get(key, part["ranks"]["dp"]) for part in everyone}
+
+
+def _one_expert_parallel_group(everyone: list, origins: tuple) -> bool:
+    """Whether several origin ranks are all of one expert-parallel group (EP > 1)."""
+    if len(origins) < 2 or not _expert_parallel(everyone):
+        return False
+    replica = replica_of(everyone)
+    stage = {part["ranks"]["global"]: part["ranks"].get("pp") for part in everyone}
+    return len({(replica.get(r), stage.get(r)) for r in origins}) == 1
+
+
+def _expert_note(finding: ParamFinding) -> str:
+    """``, expert G (EP rank E)`` for a finding on a routed expert, else nothing."""
+    return f", expert {finding.expert['global']} (EP rank {finding.ranks.get('ep')})" if finding.expert else ""
 
 
 def describe(kind: str, findings: list[ParamFinding], total_norm: float,
@@ -91,7 +119,7 @@ def describe(kind: str, findings: list[ParamFinding], total_norm: float,
     """The summary line; ``origin`` (a rank's own finding before the reduction) leads when known."""
     what = f"{kind} gradient" if kind in _BUILT_IN_KINDS else kind
     if origin is not None:
-        head = (f"{what} first at {origin.name} (layer {origin.layer}, rank {origin.ranks['global']}, "
+        head = (f"{what} first at {origin.name} (layer {origin.layer}{_expert_note(origin)}, rank {origin.ranks['global']}, "
                 f"host {origin.host} {origin.device})")
         if not findings:
             return head
@@ -101,7 +129,7 @@ def describe(kind: str, findings: list[ParamFinding], total_norm: float,
         return f"{kind} in gradients (total norm {total_norm:.4g})"
     first = max(findings, key=lambda f: f.order)
     ranks = sorted({f.ranks["global"] for f in findings})
-    return (f"{what} first at {first.name} (layer {first.layer}, rank {first.ranks['global']}); "
+    return (f"{what} first at {first.name} (layer {first.layer}{_expert_note(first)}, rank {first.ranks['global']}); "
             f"{len({f.name for f in findings})} parameter(s) on rank(s) {ranks}")
 
 
@@ -130,7 +158,7 @@ def assemble(ctx: CheckContext, everyone: list, kinds: list, extra: dict, decisi
     if cause is not None:
         message = f"{cause.why}: {message}"
     if before:
-        extra["pre_reduction"] = [asdict(f) for f in before]
+        extra["pre_reduction"] = [f.as_record() for f in before]
     checked = sum(part["checked"] for part in everyone)
     if checked and sum(1 for f in found if f.nan or f.inf) >= checked:
         # Backward spreads a broken forward pass to every gradient; the tensor nearest the
@@ -138,17 +166,25 @@ def assemble(ctx: CheckContext, everyone: list, kinds: list, extra: dict, decisi
         extra["all_gradients_nonfinite"] = True
         message += ("; every gradient is non-finite: the loss or an activation went non-finite in the "
                     "forward pass, so the output layer named first is not the suspect")
+    routing = moe_routing.record_field([(part["ranks"]["global"], part["moe_routing"])
+                                        for part in everyone if part.get("moe_routing")])
+    if routing is not None:
+        extra["moe_routing"] = routing
     megatron_fields, note = megatron_rerun.record_fields(everyone, extra)  # Megatron's loss check and rerun
     extra.update(megatron_fields)
     message += note
     if decision.origins:
         dp_of = {part["ranks"]["global"]: part["ranks"]["dp"] for part in everyone}
+        coupled = _one_expert_parallel_group(everyone, decision.origins)
         reached = {dp_of.get(f.ranks["global"], f.ranks["global"]) for f in found + before}
         reached |= {dp_of.get(r, r) for r in decision.origins}
         world = locate.world_layout()
         extra["replicas_reached"] = len(reached)
         message += (f"; entered on rank(s) {list(decision.origins)} before the data-parallel reduction, "
                     f"reached {len(reached)} of {world['dp'] * world['cp']} data-parallel replica(s)")
+        if coupled:
+            message += ("; those ranks are one expert-parallel group, whose all-to-all carries a fault "
+                        "to every member within the step: counted as one origin")
     return Incident(
         step=ctx.step, decision=decision, kind=kind, kinds=tuple(found_kinds), message=message,
         params=tuple(found), first=origin, ranks_affected=tuple(f.ranks["global"] for f in found),

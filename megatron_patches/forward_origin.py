@@ -10,8 +10,14 @@ whether that module's output held a NaN or Inf. Hooks run when a module's forwar
 child reports before its parent, and the first flagged call is the innermost module where the
 fault appeared. One host read at the end; nothing runs on a training step.
 
-Across ranks the earliest pipeline stage wins (later stages only receive what it sent); ranks of
-that stage whose first flagged module is the same one are listed together.
+Across ranks the earliest pipeline stage wins (later stages only receive what it sent); within
+a stage, the earliest call. Every rank of a stage runs the same modules in the same order, so
+the k-th module call of a step is the same event on each of them, even where the calls exchange
+data: under expert parallelism a NaN born in one rank's expert reaches the other ranks through
+the combine all-to-all and shows there only at the output of the MoE layer, a later call than
+the expert's, so the expert's rank is named, not the ranks it reached. Ranks whose first
+flagged call is the same one are listed together. An expert's module carries its global index
+(``expert``).
 
 The ``phase=forward`` drill (``nan:step=S,phase=forward,module=NAME``) is attached here too:
 a forward hook on the named module that corrupts its output in step S (:func:`attach_drills`).
@@ -67,7 +73,7 @@ def _replace_first(value: Any, kind: str, factor: float) -> tuple[Any, bool]:
 
 
 def attach_drills(monitor: Guard, model_chunks: list) -> int:
-    """Hook each ``phase=forward`` drill onto the modules its pattern names on this rank;
+    """Hook each ``phase=forward`` and ``phase=backward`` drill onto the modules its pattern names on this rank;
     returns how many modules were hooked. A pattern matching nothing here is fine (another
     pipeline stage may hold that module)."""
     specs = inject.active().forward_specs()
@@ -89,6 +95,12 @@ def _drill_hook(monitor: Guard, index: int, spec: Any, name: str):
     def hook(module, args, output):
         if not inject.active().forward_due(index, monitor.upcoming_step(), monitor.rank, name):
             return None
+        if spec.phase == "backward":  # the gradient that will flow into this output
+            target = next((t for t in _floating(output) if t.requires_grad), None)
+            if target is not None:
+                target.register_hook(lambda grad: _replace_first(grad, spec.kind, spec.factor)[0])
+                monitor.counters["injected"] += 1
+            return None
         corrupted, done = _replace_first(output, spec.kind, spec.factor)
         if done:
             monitor.counters["injected"] += 1
@@ -97,13 +109,18 @@ def _drill_hook(monitor: Guard, index: int, spec: Any, name: str):
 
 
 class ForwardTrace:
-    """While entered, every module of ``model_chunks`` reports whether its output was finite."""
+    """While entered, every module of ``model_chunks`` reports whether its output was finite and,
+    once backward reaches that output, whether the gradient flowing into it was (both kept on the
+    device, read once by :meth:`first` / :meth:`first_backward`)."""
 
     def __init__(self, model_chunks: list):
         self._named = locate.name_modules(model_chunks)
+        self._expert_place = locate.expert_place(model_chunks)
         self._handles: list = []
         self._calls: list[tuple[str, int]] = []
         self._flags: list[torch.Tensor] = []
+        self._grad_calls: list[tuple[str, int]] = []
+        self._grad_flags: list[torch.Tensor] = []
 
     def __enter__(self) -> "ForwardTrace":
         for name, stage, module in self._named:
@@ -123,39 +140,88 @@ class ForwardTrace:
                     bad = torch.stack([(~torch.isfinite(t)).any() for t in tensors]).any()
                 self._calls.append((name, stage))
                 self._flags.append(bad)
+                target = next((t for t in tensors if t.requires_grad), None) if torch.is_grad_enabled() else None
+                if target is not None:
+                    target.register_hook(self._grad_hook(name, stage))
+            return None
+        return hook
+
+    def _grad_hook(self, name: str, stage: int):
+        def hook(grad):
+            with torch.no_grad():
+                self._grad_calls.append((name, stage))
+                self._grad_flags.append((~torch.isfinite(grad)).any())
             return None
         return hook
 
     def first(self) -> Optional[dict]:
         """This rank's first module (in call order) whose output was non-finite, or None."""
-        if not self._flags:
+        return self._first(self._calls, self._flags)
+
+    def first_backward(self) -> Optional[dict]:
+        """This rank's first module, in the order backward reached the outputs, whose output's
+        gradient was non-finite, or None."""
+        return self._first(self._grad_calls, self._grad_flags)
+
+    def _first(self, calls: list, device_flags: list) -> Optional[dict]:
+        if not device_flags:
             return None
-        flags = torch.stack([f.to("cpu") for f in self._flags]).tolist()  # the one host read
-        for (name, stage), bad in zip(self._calls, flags):
+        flags = torch.stack([f.to("cpu") for f in device_flags]).tolist()  # one host read per list
+        for call, ((name, stage), bad) in enumerate(zip(calls, flags)):
             if bad:
-                return {"module": name, "stage": stage}
+                found = {"module": name, "stage": stage, "call": call}
+                ep_rank, per_rank = self._expert_place
+                expert = locate.expert_of(name, ep_rank, per_rank) if per_rank else None
+                if expert is not None:
+                    found["expert"] = {"global": expert[0], "local": expert[1], "ep": ep_rank}
+                return found
         return None
 
 
-def gather_origin(trace: ForwardTrace, timeout_s: float) -> Optional[dict]:
-    """Every rank's first non-finite module, on rank 0: ``{"module", "layer", "ranks"}`` of the
-    earliest pipeline stage's, else None (and None on the other ranks). Call on every rank."""
-    mine = trace.first()
-    rank = collectives.rank()
+def gather_origin(trace: ForwardTrace, timeout_s: float) -> tuple[Optional[dict], Optional[dict]]:
+    """Every rank's first non-finite module, on rank 0: the forward and the backward origin
+    (:func:`origins_from`), each None when not found (and both None on the other ranks). Call on
+    every rank."""
+    mine = {"rank": collectives.rank(), "forward": trace.first(), "backward": trace.first_backward()}
     try:
-        everyone = gather_to_zero({"rank": rank, "first": mine}, timeout_s)
+        everyone = gather_to_zero(mine, timeout_s)
     except PeerLost as error:
         log.warning("forward origin not located: %s", error)
-        return None
-    return earliest(everyone)
+        return None, None
+    return origins_from(everyone) if everyone else (None, None)
 
 
-def earliest(everyone: list) -> Optional[dict]:
-    """``{"module", "layer", "ranks"}`` of the earliest pipeline stage's first non-finite module
-    among ``[{"rank", "first"}]`` (each rank's :meth:`ForwardTrace.first`), or None."""
+def origins_from(everyone: list) -> tuple[Optional[dict], Optional[dict]]:
+    """(forward origin, backward origin) from every rank's ``{"rank", "forward", "backward"}``
+    (:meth:`ForwardTrace.first` and :meth:`ForwardTrace.first_backward`). A fault born in the
+    forward pass makes every later gradient non-finite, so the backward origin is given only
+    when the forward pass stayed finite everywhere: the fault was born in backward."""
+    forward = earliest([{"rank": p["rank"], "first": p.get("forward")} for p in everyone])
+    if forward is not None:
+        return forward, None
+    return None, earliest([{"rank": p["rank"], "first": p.get("backward")} for p in everyone], backward=True)
+
+
+def earliest(everyone: list, backward: bool = False) -> Optional[dict]:
+    """``{"module", "layer", "ranks"}`` (and ``expert`` for a routed expert's module) of the
+    first non-finite module call among ``[{"rank", "first"}]`` (each rank's
+    :meth:`ForwardTrace.first`): earliest pipeline stage, then earliest call; None if none.
+    ``backward``: the parts are :meth:`ForwardTrace.first_backward`'s, and backward runs the
+    stages from the last one back, so the latest stage comes first."""
     found = [part for part in everyone if part["first"] is not None]
     if not found:
         return None
-    first = min(found, key=lambda part: (part["first"]["stage"], part["rank"]))["first"]
-    ranks = sorted(part["rank"] for part in found if part["first"] == first)
-    return {"module": first["module"], "layer": locate.layer_of(first["module"]), "ranks": ranks}
+    sign = -1 if backward else 1
+    first = min(found, key=lambda part: (sign * part["first"]["stage"], part["first"].get("call", 0),
+                                         part["rank"]))["first"]
+    same = [part for part in found if (part["first"]["stage"], part["first"]["module"], part["first"].get("call"))
+            == (first["stage"], first["module"], first.get("call"))]
+    origin = {"module": first["module"], "layer": locate.layer_of(first["module"]),
+              "ranks": sorted(part["rank"] for part in same)}
+    experts = sorted((part["first"]["expert"] for part in same if part["first"].get("expert")),
+                     key=lambda expert: expert["global"])
+    experts = [e for i, e in enumerate(experts) if e not in experts[:i]]
+    if experts:  # the same local module on several EP ranks is a different expert on each
+        origin["expert"] = experts[0] if len(experts) == 1 else experts
+    return origin
+

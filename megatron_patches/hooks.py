@@ -50,6 +50,8 @@ def register_model(optimizer: Any, model_chunks: list) -> None:
     remember(optimizer, chunks)
     if _monitor is not None and inject.active().forward_specs():
         forward_origin.attach_drills(_monitor, chunks)
+    if _monitor is not None:  # after the drills: a drilled router is seen as broken
+        _monitor.routing.attach(chunks)  # mixture-of-experts routers, if any
 
 
 @contextlib.contextmanager

@@ -32,6 +32,19 @@ def headline(rec: dict) -> str:
     return f"step {text_of(rec.get('step'))} {text_of(rec.get('severity'))} {text_of(rec.get('kind'))}: {message}"
 
 
+def expert_text(expert: Any, ranks: Optional[dict] = None) -> str:
+    """``expert G (EP rank E)`` for a finding's ``expert`` field and the ranks holding it, or for
+    a forward origin's (one expert or a list, each with its own ``ep``)."""
+    if isinstance(expert, list):
+        return ", ".join(expert_text(e) for e in expert if isinstance(e, dict))
+    ranks = ranks if ranks is not None else expert
+    text = f"expert {text_of(expert.get('global'))}"
+    if "ep" in ranks:
+        text += f" (EP rank {text_of(ranks.get('ep'))}"
+        text += f", expert-DP rank {text_of(ranks.get('edp'))})" if "edp" in ranks else ")"
+    return text
+
+
 def _where(param: dict) -> str:
     ranks = ranks_of(param)
     layer = param.get("layer")
@@ -41,6 +54,9 @@ def _where(param: dict) -> str:
     rank = f"global rank {text_of(ranks.get('global'))}"
     if ranks:
         rank += " (" + ", ".join(f"{k} {text_of(ranks.get(k))}" for k in ("tp", "pp", "dp")) + ")"
+    expert = param.get("expert") if isinstance(param.get("expert"), dict) else None
+    if expert is not None:  # mixture-of-experts: which expert, and the EP rank holding it
+        rank += f", {expert_text(expert, ranks)}"
     parts = [
         f"{param.get('name', '?')}" + (f" (layer {layer})" if layer is not None else " (not in a layer)"),
         rank,
@@ -66,6 +82,23 @@ def _entry(rec: dict) -> Optional[dict]:
     return first
 
 
+def _routing_text(routing: Any) -> str:
+    """What a MoE incident's ``moe_routing`` field says that matters: experts that got no tokens
+    and routers whose probabilities were non-finite (empty when it says neither)."""
+    layers = routing.get("layers") if isinstance(routing, dict) else None
+    if not isinstance(layers, dict):
+        return ""
+    said = []
+    for layer, entry in layers.items():
+        if not isinstance(entry, dict):
+            continue
+        if entry.get("router_nonfinite_ranks"):
+            said.append(f"{layer}: router probabilities non-finite on rank(s) {entry['router_nonfinite_ranks']}")
+        if entry.get("zero_token_experts"):
+            said.append(f"{layer}: no tokens for expert(s) {entry['zero_token_experts']}")
+    return "; ".join(said) if said else "every expert got tokens, every router finite"
+
+
 def diagnosis(rec: dict) -> list[str]:
     """Four lines: what broke, where it entered (the forward pass's first non-finite
     module when a replay found it), how far it spread, what was done."""
@@ -76,10 +109,19 @@ def diagnosis(rec: dict) -> list[str]:
         layer = forward.get("layer")
         lines.append(f"  entered at: the forward pass, output of {text_of(forward.get('module'))}"
                      + (f" (layer {layer})" if isinstance(layer, int) else "")
+                     + (f", {expert_text(forward['expert'])}" if forward.get("expert") else "")
                      + f" on rank(s) {forward.get('ranks')}, found by "
                      + ("Megatron's rerun in place" if isinstance(rec.get("megatron_rerun"), dict) else "the replay")
                      + "; backward carried it to the "
                      + "gradients" + (f" (first: {text_of(first.get('name'))})" if first else ""))
+    elif isinstance(rec.get("backward_origin"), dict):
+        backward = rec["backward_origin"]
+        layer = backward.get("layer")
+        lines.append(f"  entered at: the backward pass, the gradient into {text_of(backward.get('module'))}"
+                     + (f" (layer {layer})" if isinstance(layer, int) else "")
+                     + (f", {expert_text(backward['expert'])}" if backward.get("expert") else "")
+                     + f" on rank(s) {backward.get('ranks')} (the forward pass stayed finite), found by "
+                     + ("Megatron's rerun in place" if isinstance(rec.get("megatron_rerun"), dict) else "the replay"))
     elif rec.get("loss_nonfinite") is True:
         lines.append("  entered at: the forward pass (the loss was non-finite); not located further"
                      + (f"; {text_of(first.get('name'))}, named first, is not the suspect" if first else ""))
@@ -104,6 +146,9 @@ def diagnosis(rec: dict) -> list[str]:
         spread = (f"from rank(s) {origins} before the data-parallel reduction to {reached} of "
                   f"{text_of(replicas)} data-parallel replica(s); found after it on {spread}")
     lines.append(f"  spread: {spread}")
+    routing = _routing_text(rec.get("moe_routing"))
+    if routing:
+        lines.append(f"  routing: {routing}")
     done = [f"action {text_of(rec.get('action'))}"]
     replay = rec.get("replay") if isinstance(rec.get("replay"), dict) else None
     if replay and replay.get("verdict"):
@@ -150,7 +195,8 @@ def _drills(injected: Any) -> str:
     for entry in injected:
         if isinstance(entry, dict):
             target = (f"sample {entry['sample']}" if "sample" in entry else
-                      f"output of {entry['module']}" if "module" in entry else text_of(entry.get("param")))
+                      f"{'gradient into the ' if 'phase=backward' in str(entry.get('drill')) else ''}output of "
+                      f"{entry['module']}" if "module" in entry else text_of(entry.get("param")))
             text = f"{text_of(entry.get('drill'))} -> {target} on rank {text_of(entry.get('rank'))}"
         else:  # records written before 'injected' said what fired: the spec text
             text = text_of(entry)

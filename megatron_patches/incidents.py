@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
+from . import locate
 from .response import Decision, Severity
 
 log = logging.getLogger("megatron_patches")
@@ -55,6 +56,27 @@ class ParamFinding:
     """True when this rank holds only a slice (distributed optimizer)."""
     reasons: list[str] = field(default_factory=list)
     """Which checks this parameter tripped (nan, inf, overflow, magnitude, ...)."""
+    expert: Optional[dict] = None
+    """``{"global": G, "local": K}`` for a routed expert's parameter (mixture-of-experts); None
+    (left out of the record) for every other parameter."""
+
+    @classmethod
+    def located(cls, info: Any, ranks: dict[str, int], **fields: Any) -> "ParamFinding":
+        """A finding on the parameter ``info`` describes (a :class:`~megatron_patches.locate.ParamInfo`,
+        None when the parameter is unnamed) held by the rank of ``ranks``: name, layer, order,
+        expert and the ranks as they hold for it come from ``info``; ``fields`` give the rest."""
+        if info is None:
+            return cls(name=f"<unnamed {tuple(fields['shape'])}>", layer=None, order=-1, ranks=ranks, **fields)
+        expert = {"global": info.expert[0], "local": info.expert[1]} if info.expert is not None else None
+        return cls(name=info.name, layer=info.layer, order=info.order, ranks=locate.param_ranks(ranks, info),
+                   expert=expert, **fields)
+
+    def as_record(self) -> dict:
+        """The finding as the record holds it (``expert`` only where there is one)."""
+        out = asdict(self)
+        if out["expert"] is None:
+            del out["expert"]
+        return out
 
 
 def now_iso() -> str:
@@ -84,7 +106,7 @@ def make_record(
     if severity not in SEVERITIES:
         raise ValueError(f"severity must be one of {SEVERITIES}, got {severity!r}")
     ordered = sorted(params, key=lambda p: (-p.order, p.ranks.get("global", 0)))
-    as_dicts = [asdict(p) for p in ordered]
+    as_dicts = [p.as_record() for p in ordered]
     record = {
         "schema": INCIDENT_SCHEMA,
         "time": time or now_iso(),
@@ -94,7 +116,7 @@ def make_record(
         "kinds": kinds,
         "action": str(action),
         "message": message,
-        "first": asdict(first) if first is not None else as_dicts[0] if as_dicts else None,
+        "first": first.as_record() if first is not None else as_dicts[0] if as_dicts else None,
         "params": as_dicts,
         "ranks_affected": sorted(set(ranks_affected)),
         "world": world,
@@ -112,6 +134,9 @@ class Outcome:
     blacklisted: tuple = ()
     forward_origin: Optional[dict] = None
     """Where the replayed forward pass first went non-finite (:mod:`~megatron_patches.forward_origin`)."""
+    backward_origin: Optional[dict] = None
+    """Where the replayed backward pass first carried a non-finite gradient, when the forward
+    pass stayed finite (a fault born in backward)."""
     rolled_back_to: Optional[int] = None
     checkpoint: Optional[str] = None
     lr_scale: Optional[float] = None
@@ -120,7 +145,7 @@ class Outcome:
 
     def fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {"replay": self.replay, "blacklisted": list(self.blacklisted)}
-        for name in ("rolled_back_to", "checkpoint", "lr_scale", "forward_origin"):
+        for name in ("rolled_back_to", "checkpoint", "lr_scale", "forward_origin", "backward_origin"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         if self.decision is not None:

@@ -15,9 +15,12 @@ default: the model's first parameter in forward order), ``rank`` (global rank; d
 ``count`` (consecutive steps, default 1), ``phase`` (``grad``: the gradient the optimizer
 sees, default; ``local``: this rank's gradient before the data-parallel reduction, so it
 spreads like a faulty card's would; ``forward``: the output of ``module`` in the forward pass,
-so the loss and then every gradient go non-finite, see :mod:`megatron_patches.forward_origin`),
-``module`` (phase forward only, required: fnmatch pattern on the global dotted module name, as
-``named_modules()`` gives it without wrapper prefixes, e.g. ``decoder.layers.1.mlp``),
+so the loss and then every gradient go non-finite, see :mod:`megatron_patches.forward_origin`;
+``backward``: the gradient flowing into the output of ``module`` in the backward pass, a fault
+born in backward that reaches the gradients of everything before that module, and under expert
+parallelism the ranks that sent the module its tokens),
+``module`` (phases forward and backward only, required: fnmatch pattern on the global dotted
+module name, as ``named_modules()`` gives it without wrapper prefixes, e.g. ``decoder.layers.1.mlp``),
 ``factor`` (spike and growth), ``bit`` (bitflip only). A forward drill models a module whose
 computation breaks on that step's input: it fires on every forward of its steps, a replay
 included, and not when the step is reached again after a rollback.
@@ -48,7 +51,9 @@ from .errors import ConfigError
 log = logging.getLogger("megatron_patches")
 
 KINDS = ("nan", "inf", "spike", "bitflip", "saturate", "poison", "growth", "kill")
-PHASES = ("grad", "local", "forward")
+PHASES = ("grad", "local", "forward", "backward")
+MODULE_PHASES = ("forward", "backward")
+"""Phases whose drills act on a module (``module=NAME``), not on a parameter's gradient."""
 _KEYS = ("step", "param", "rank", "count", "phase", "factor", "sample", "bit", "module")
 _FORWARD_KINDS = ("nan", "inf", "spike")
 
@@ -115,13 +120,13 @@ def parse_spec(text: str) -> InjectionSpec:
         if values["phase"] not in PHASES:
             raise ConfigError(f"injection {text!r}: phase must be one of {', '.join(PHASES)}, got {values['phase']!r}")
         spec["phase"] = values["phase"]
-    if spec.get("phase") == "forward":
+    if spec.get("phase") in MODULE_PHASES:
         if kind not in _FORWARD_KINDS or "module" not in values or "param" in values:
-            raise ConfigError(f"injection {text!r}: phase=forward takes module=NAME (a module's dotted name) "
-                              f"and no param, with kind {', '.join(_FORWARD_KINDS)}")
+            raise ConfigError(f"injection {text!r}: phase={spec['phase']} takes module=NAME (a module's dotted "
+                              f"name) and no param, with kind {', '.join(_FORWARD_KINDS)}")
         spec["module"] = values["module"]
     elif "module" in values:
-        raise ConfigError(f"injection {text!r}: module applies to phase=forward only")
+        raise ConfigError(f"injection {text!r}: module applies to phases {' and '.join(MODULE_PHASES)} only")
     if kind == "growth":
         spec["factor"] = 1.5
     if "bit" in values:
@@ -190,19 +195,22 @@ class Injector:
 
     def __bool__(self) -> bool:
         """Whether any gradient drill is configured (the hooks then hand gradients over)."""
-        return any(s.kind not in ("poison", "kill") and s.phase != "forward" for s in self.specs)
+        return any(s.kind not in ("poison", "kill") and s.phase not in MODULE_PHASES for s in self.specs)
 
     def forward_specs(self) -> list[tuple[int, InjectionSpec]]:
-        return [(i, s) for i, s in enumerate(self.specs) if s.phase == "forward"]
+        """The drills acting on a module (phases forward and backward), with their indices."""
+        return [(i, s) for i, s in enumerate(self.specs) if s.phase in MODULE_PHASES]
 
     def forward_due(self, index: int, step: int, rank: int, module: str) -> bool:
-        """Whether forward drill ``index`` corrupts ``module``'s output now; notes it if so.
-        Not marked spent: the replay of the step breaks the same way (see spend_started)."""
+        """Whether module drill ``index`` corrupts ``module``'s output (forward) or the gradient
+        flowing into it (backward) now; notes it if so. Not marked spent: the replay of the step
+        breaks the same way (see spend_started)."""
         spec = self.specs[index]
         if not (spec.covers(step) and (index, step) not in self._fired and spec.rank in (None, rank)):
             return False
         if index not in self._started:
-            log.warning("step %d: drill %r fired into the output of %s on rank %d", step, spec.text, module, rank)
+            where = "the output" if spec.phase == "forward" else "the gradient of the output"
+            log.warning("step %d: drill %r fired into %s of %s on rank %d", step, spec.text, where, module, rank)
         self._started.add(index)
         self._note(step, {"drill": spec.text, "rank": rank, "module": module})
         return True
@@ -254,7 +262,7 @@ class Injector:
         hits = []
         for spec in self.specs:
             here = spec.rank is None or spec.rank == rank
-            pattern, names = (spec.module, modules) if spec.phase == "forward" else (spec.param, params)
+            pattern, names = (spec.module, modules) if spec.phase in MODULE_PHASES else (spec.param, params)
             if spec.kind in ("poison", "kill") or pattern is None:
                 hits.append(float(here))
             else:
@@ -310,7 +318,7 @@ def unmatched(injector: Injector, hits_by_rank: list[list[float]], param_names: 
         if spec.rank is not None and spec.rank >= world:
             missed.append(f"{spec.text!r} (rank {spec.rank} is outside the job's {world} rank(s))")
             continue
-        what, pattern, names = ("module", spec.module, modules) if spec.phase == "forward" else \
+        what, pattern, names = ("module", spec.module, modules) if spec.phase in MODULE_PHASES else \
             ("parameter", spec.param, params)
         nearest = difflib.get_close_matches(pattern, names, n=2, cutoff=0.0)
         missed.append(f"{spec.text!r} (no {what} matches {pattern!r}"

@@ -21,6 +21,10 @@ from .collectives import rank, world_size
 
 _LAYER_PATH = re.compile(r"^(?P<prefix>.*\blayers)\.(?P<idx>\d+)$")
 _LAYER_IN_NAME = re.compile(r"\blayers\.(\d+)\.")
+# A routed expert's parameter or module: ``...mlp.experts.local_experts.K...`` (sequential experts)
+# or ``...mlp.experts.linear_fc1.weightK`` (Transformer Engine's grouped experts, one tensor each).
+# ``shared_experts`` never matches: the dot before ``experts`` is required.
+_EXPERT_IN_NAME = re.compile(r"\.experts\.(?:local_experts\.(\d+)(?:\.|$)|.*\.(?:weight|bias)(\d+)$)")
 _STAGE_STRIDE = 1_000_000
 
 
@@ -35,6 +39,9 @@ class ParamInfo:
     chunk: int = 0
     """Index of the model chunk holding it: its virtual pipeline rank under an interleaved
     schedule (0 otherwise)."""
+    expert: Optional[tuple[int, int]] = None
+    """(global, local) index of the routed expert it belongs to (:func:`expert_of`); None outside
+    the experts (dense layers, routers, shared experts)."""
 
 
 def _strip_wrappers(name: str) -> str:
@@ -65,7 +72,8 @@ def _parallel_state():
 
 
 def rank_info() -> dict[str, int]:
-    """{global, tp, pp, dp, cp, ep, vpp} of this process (0 where not initialized)."""
+    """{global, tp, pp, dp, cp, ep, edp, vpp} of this process (0 where not initialized); ``edp``
+    is the expert-data-parallel rank, over which expert gradients are reduced."""
     ranks = {"global": rank()}
     ps = _parallel_state()
     getters = {
@@ -74,6 +82,7 @@ def rank_info() -> dict[str, int]:
         "dp": "get_data_parallel_rank",
         "cp": "get_context_parallel_rank",
         "ep": "get_expert_model_parallel_rank",
+        "edp": "get_expert_data_parallel_rank",
     }
     for key, getter in getters.items():
         ranks[key] = int(getattr(ps, getter)()) if ps is not None and hasattr(ps, getter) else 0
@@ -86,6 +95,33 @@ def param_ranks(ranks: dict[str, int], info: Optional[ParamInfo]) -> dict[str, i
     """This process's ``ranks`` (:func:`rank_info`) as they hold for one parameter: ``vpp`` is the
     virtual pipeline rank of the chunk the parameter is in, not the one being run right now."""
     return {**ranks, "vpp": info.chunk} if info is not None else ranks
+
+
+def expert_of(name: str, ep_rank: int, local_experts: int) -> Optional[tuple[int, int]]:
+    """(global, local) index of the routed expert a parameter or module ``name`` belongs to, on
+    the rank of expert-parallel rank ``ep_rank`` holding ``local_experts`` experts; None outside
+    the routed experts. Megatron gives EP rank e the experts e * local_experts onwards."""
+    match = _EXPERT_IN_NAME.search(name)
+    if match is None:
+        return None
+    local = int(match.group(1) if match.group(1) is not None else match.group(2))
+    return ep_rank * local_experts + local, local
+
+
+def local_experts(model_chunks: list) -> int:
+    """Routed experts each expert-parallel rank holds (0 for a dense model)."""
+    config = next((getattr(_unwrap(c), "config", None) for c in model_chunks), None)
+    experts = int(getattr(config, "num_moe_experts", None) or 0)
+    ps = _parallel_state()
+    ep_size = ps.get_expert_model_parallel_world_size() if ps is not None else 1
+    return experts // max(int(ep_size or 1), 1)
+
+
+def expert_place(model_chunks: list) -> tuple[int, int]:
+    """(this rank's expert-parallel rank, experts per EP rank) for :func:`expert_of`."""
+    ps = _parallel_state()
+    ep_rank = ps.get_expert_model_parallel_rank() if ps is not None else 0
+    return int(ep_rank or 0), local_experts(model_chunks)
 
 
 def world_layout() -> dict[str, int]:
@@ -196,6 +232,7 @@ def name_parameters(model_chunks: list) -> dict[int, ParamInfo]:
     """``{id(param): ParamInfo}`` for every parameter of this rank's model chunks."""
     ps = _parallel_state()
     tp_rank = ps.get_tensor_model_parallel_rank() if ps else 0
+    ep_rank, per_rank = expert_place(model_chunks)
     infos: dict[int, ParamInfo] = {}
     for chunk_index, chunk in enumerate(model_chunks):
         model = _unwrap(chunk)
@@ -211,5 +248,6 @@ def name_parameters(model_chunks: list) -> dict[int, ParamInfo]:
                 order=stage * _STAGE_STRIDE + position,
                 counts_in_norm=(tp_param or tp_rank == 0) and not getattr(param, "shared", False),
                 chunk=chunk_index,
+                expert=expert_of(name, ep_rank, per_rank) if per_rank else None,
             )
     return infos

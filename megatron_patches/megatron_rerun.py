@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import bucket_check, forward_origin, model_chunks
+from .incident_text import expert_text
 from .protocols import Guard
 
 log = logging.getLogger("megatron_patches")
@@ -62,6 +63,7 @@ _loss_rejected_at: Optional[int] = None
 _trace: Optional[tuple[int, Any]] = None
 """(step, ForwardTrace) while Megatron reruns a checked step in place."""
 _forward_first: Optional[tuple[int, dict]] = None
+"""(step, {"forward": ..., "backward": ...}) of this rank's trace of Megatron's rerun."""
 """(step, this rank's first non-finite module in that rerun: ``{"module", "stage"}``)."""
 
 
@@ -139,9 +141,10 @@ def after_should_run(monitor: Guard, machine: Any, again: bool) -> None:
         step, trace = _trace
         _trace = None
         trace.__exit__(None, None, None)
-        first = trace.first()  # one host read, once per rerun
-        _forward_first = (step, first) if first is not None else None
+        first = {"forward": trace.first(), "backward": trace.first_backward()}  # host reads, once per rerun
+        _forward_first = (step, first) if any(first.values()) else None
     elif _trace is None and in_place and bucket_check.checks_nonfinite(monitor):
+        monitor.routing.restart()  # the rerun routes the step's tokens again
         chunks = [chunk for chunk_list in model_chunks.known() for chunk in chunk_list]
         _trace = (monitor.upcoming_step(), forward_origin.ForwardTrace(chunks).__enter__())
 
@@ -159,7 +162,8 @@ def part(step: int) -> Optional[dict]:
     if _loss_rejected_at == step:
         out["loss_nonfinite"] = True
     if _forward_first is not None and _forward_first[0] == step:
-        out["forward_first"] = _forward_first[1]
+        out["forward_first"] = _forward_first[1]["forward"]
+        out["backward_first"] = _forward_first[1]["backward"]
     if _rejected is not None and _rejected.step == step:
         out["rerun"] = {"mode": _rejected.mode, "check": _rejected.check, "message": _rejected.message,
                         "verdict": _rejected.verdict}
@@ -186,12 +190,15 @@ def record_fields(everyone: list, extra: dict) -> tuple[dict, str]:
         fields["megatron_rerun"] = {"mode": reruns[0]["mode"], "verdict": verdict, "by_rank": reruns}
         if verdict is not None:
             note += f"; Megatron's rerun of the step in place found it {verdict}"
-    from .forward_origin import earliest
-
-    forward = earliest([{"rank": rank, "first": share.get("forward_first")} for rank, share in shares])
-    if forward is not None:
-        fields["forward_origin"] = forward
-        note += (f"; in the rerun the forward pass first went non-finite at the output of {forward['module']}"
-                 + (f" (layer {forward['layer']})" if forward["layer"] is not None else "")
-                 + f" on rank(s) {forward['ranks']}")
+    forward, backward = forward_origin.origins_from(
+        [{"rank": rank, "forward": share.get("forward_first"), "backward": share.get("backward_first")}
+         for rank, share in shares])
+    for key, origin, what in (("forward_origin", forward, "the forward pass first went non-finite at the output of"),
+                              ("backward_origin", backward, "backward first carried a non-finite gradient into")):
+        if origin is not None:
+            fields[key] = origin
+            note += (f"; in the rerun {what} {origin['module']}"
+                     + (f" (layer {origin['layer']})" if origin["layer"] is not None else "")
+                     + (f", {expert_text(origin['expert'])}" if origin.get("expert") else "")
+                     + f" on rank(s) {origin['ranks']}")
     return fields, note

@@ -38,6 +38,7 @@ from .incidents import Incident, Outcome
 from .integrations.mindspeed import undo_prepare_on_skip
 from .loss_scale import LossScaleWatch, ScalerEvent
 from .megatron_rerun import part as megatron_share
+from .moe_routing import RoutingWatch
 from .origin import OriginWatch, PreReduction, named_grads
 from .optimizer_params import current_grads
 from .publish import Publisher
@@ -61,6 +62,8 @@ class GradMonitor:
         self.report_dir = os.path.abspath(config.report_dir)
         self.stage = CheckStage(config, self.detectors)
         self.origin = OriginWatch(config.response.origin_check)
+        self.routing = RoutingWatch(self.upcoming_step, lambda step: step % config.check_interval == 0)
+        """Tokens per expert and router finiteness of the step being made (mixture-of-experts)."""
         self.publisher = Publisher(config, self.report_dir)
         self.responder = Responder(config, self.detectors)
         self._loss_scale = LossScaleWatch(config.detectors.loss_scale)
@@ -247,7 +250,8 @@ class GradMonitor:
         inject.active().forget_before(ctx.step)
         self.counters["checked_steps"] += 1
         self.last_total_norm = ctx.total_norm
-        served_norm.remember(self, optimizer, ctx.step, ctx.total_norm, entries, ctx.grads)
+        if self.config.serve_norm:
+            served_norm.remember(self, optimizer, ctx.step, ctx.total_norm, entries, ctx.grads)
         self.last_layer_norms = verdict.layer_norms
         if self.rank == 0:
             self.publisher.write_history(ctx.step, ctx.total_norm, verdict.layer_sq)
@@ -265,7 +269,7 @@ class GradMonitor:
         part = {"findings": findings, "batch": self._batch, "ranks": locate.rank_info(),
                 "megatron": megatron_share(ctx.step),  # Megatron's loss check and rerun verdict
                 "pre_reduction": pre_reduction, "origin": own_origin, "checked": len(ctx.entries),
-                "injected": inject.active().fired_at(ctx.step)}
+                "injected": inject.active().fired_at(ctx.step), "moe_routing": self.routing.share(ctx.step)}
         try:
             decision, incident = self.responder.agree(verdict, action, part, self._batch_info, self.rollbacks,
                                                       can_replay=getattr(self.executor, "in_process", False),

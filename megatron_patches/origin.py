@@ -1,7 +1,10 @@
 """Where a fault entered: each rank's own gradients before the data-parallel reduction.
 
 A non-finite gradient on one card is summed into every replica by the reduction, so after it
-every rank sees the fault. Before it, a flag per rank says which ranks it came from: one fused norm
+every rank sees the fault. The data-parallel reduction is not the only one: Megatron's
+``finalize_model_grads`` all-reduces the gradients of sequence-parallel norm weights over the
+tensor-parallel group and the tied embedding over the pipeline ends, after the data-parallel
+buckets. So wherever the job has more than one rank, the flag is taken before all of them. Before it, a flag per rank says which ranks it came from: one fused norm
 pass per DDP bucket group right before its collective (:mod:`~megatron_patches.grad_sync`), or
 Megatron's own per-bucket norms where :mod:`~megatron_patches.bucket_check` runs, or, for a model
 without bucket groups, one fused pass at ``finalize_model_grads``.
@@ -59,16 +62,16 @@ class OriginWatch:
         self.enabled = enabled
         self._pending = PreReduction()
         self._bucket_checks = False
-        self._replica_count: Optional[int] = None
+        self._world_size: Optional[int] = None
         self._groups: dict[int, tuple[list, torch.Tensor]] = {}
         """Per bucket group of the step being made: (params, device norms) of its fused pass."""
         self._groups_step: Optional[int] = None
 
     def before_reduction(self, chunks: list) -> None:
         """At a checked step's reduction: raise the flag from one fused pass over the gradients.
-        With one replica there is nowhere else a fault could have entered: no extra read. Where
+        On a single rank there is nowhere else a fault could have entered: no extra read. Where
         Megatron's bucket check runs, the flag comes from its norms (:meth:`note`)."""
-        if self.enabled and self.replicas() > 1 and not self._bucket_checks:
+        if self.active() and not self._bucket_checks:
             self._pending.flag, norms = _local_origin_norms(chunks)
             self._pending.norms = [norms] if norms is not None else []
 
@@ -86,9 +89,12 @@ class OriginWatch:
             self._groups[id(group)] = (held, norms)
 
     def active(self) -> bool:
-        """Whether a pass before the reduction can tell anything: with one replica there is
-        nowhere else a fault could have entered."""
-        return self.enabled and self.replicas() > 1
+        """Whether a pass before the reductions can tell anything: on a single rank there is
+        nowhere else a fault could have entered. With one data-parallel replica but tensor or
+        pipeline parallel ranks, finalize_model_grads' reductions still carry a fault across."""
+        if self._world_size is None:
+            self._world_size = locate.world_layout()["size"]
+        return self.enabled and self._world_size > 1
 
     def note_bucket_check(self) -> None:
         self._bucket_checks = True
@@ -108,12 +114,6 @@ class OriginWatch:
         self._groups, self._groups_step = {}, None
         return taken
 
-    def replicas(self) -> int:
-        """Data-parallel replicas (context parallel included); fixed for the run."""
-        if self._replica_count is None:
-            layout = locate.world_layout()
-            self._replica_count = layout["dp"] * layout["cp"]
-        return self._replica_count
 
 
 def _local_origin_norms(chunks: list) -> tuple[torch.Tensor, Optional[tuple]]:
@@ -158,11 +158,8 @@ def _norm_findings(origin_norms: Optional[tuple]) -> list[ParamFinding]:
     for param, norm in zip(params, norms.tolist()):
         if math.isfinite(norm):
             continue
-        info = infos.get(id(param))
         reason = "nan" if norm != norm else "inf"
-        findings.append(ParamFinding(
-            name=info.name if info else f"<unnamed {tuple(param.shape)}>", layer=info.layer if info else None,
-            shape=list(param.shape), nan=int(reason == "nan"), inf=int(reason == "inf"), overflow=0, norm=None,
-            ranks=locate.param_ranks(ranks, info), host=host, device=device, order=info.order if info else -1,
-            reasons=[reason, "pre_reduction"]))
+        findings.append(ParamFinding.located(
+            infos.get(id(param)), ranks, shape=list(param.shape), nan=int(reason == "nan"), inf=int(reason == "inf"),
+            overflow=0, norm=None, host=host, device=device, reasons=[reason, "pre_reduction"]))
     return findings

@@ -47,6 +47,8 @@ class Guard(Protocol):
     """``fn(decision)`` called on every rank before the guard ends the process."""
 
     checked_norm: Any
+    routing: Any
+    """Tokens per expert and router finiteness of the step being made (:mod:`~megatron_patches.moe_routing`)."""
     """The last check's total norm until Megatron's get_grad_norm takes it (:mod:`~megatron_patches.served_norm`)."""
 
     @property

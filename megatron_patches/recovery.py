@@ -224,7 +224,7 @@ class InProcessRecovery:
 
     def _replay(self, step: int, decision: Decision, batch_samples: list) -> tuple[Outcome, list]:
         """Replay ``step``: deterministic (the samples that reproduced it) or transient."""
-        replay, origin = self._traced_replay(step)
+        replay, (origin, backward) = self._traced_replay(step)
         incident = self.monitor.last_incident
         if replay["flagged"]:
             first = incident.first_name if incident is not None else None
@@ -235,11 +235,12 @@ class InProcessRecovery:
             ranks = sorted(set(incident.ranks_affected)) if incident is not None else []
             verdict = {"verdict": "transient", "suspected_ranks": list(decision.origins) or ranks}
             reproduced = []
-        return Outcome(replay=verdict, forward_origin=origin), reproduced
+        return Outcome(replay=verdict, forward_origin=origin, backward_origin=backward), reproduced
 
-    def _traced_replay(self, step: int) -> tuple[dict, Optional[dict]]:
-        """Replay ``step`` with every module's output watched: the replay's verdict, and where
-        the forward pass first went non-finite (rank 0; None elsewhere or when it stayed finite)."""
+    def _traced_replay(self, step: int) -> tuple[dict, tuple[Optional[dict], Optional[dict]]]:
+        """Replay ``step`` with every module's output and its gradient watched: the replay's
+        verdict, and where the forward pass, else the backward pass, first went non-finite (rank 0;
+        None elsewhere or when it stayed finite)."""
         chunks = [chunk for chunk_list in model_chunks.known() for chunk in chunk_list]
         self.monitor.set_step(step)  # the replayed forward is step ``step`` again (forward drills)
         with forward_origin.ForwardTrace(chunks) as trace:

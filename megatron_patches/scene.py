@@ -171,8 +171,6 @@ def capture(report_dir: str, ctx: Any, findings: list, batch: dict, optimizer: A
     shared with training. ``batch``: the record's batch fields with ``samples`` and ``tokens``
     (this rank's micro-batch tensors, or None); ``meta``: the guard's step and rollbacks, to which
     the optimizer's param groups and loss scale are added."""
-    from dataclasses import asdict
-
     from . import locate
     from .rng import rng_state
 
@@ -186,7 +184,7 @@ def capture(report_dir: str, ctx: Any, findings: list, batch: dict, optimizer: A
         "batch": {**batch, "tokens": [t.detach().cpu().clone() for t in tokens] if tokens else None},
         "rng": rng_state(),
         "grad_norms": {e.info.name: n for e, n in zip(ctx.entries, norms)},
-        "findings": [asdict(f) for f in findings],
+        "findings": [f.as_record() for f in findings],
         "optimizer": _optimizer_meta(optimizer, meta),
         "overflow_mode": overflow_mode,
     }

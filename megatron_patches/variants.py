@@ -11,7 +11,8 @@ its gradients silently unchecked. Two places ask, so that both ways in are cover
 
 Checked and tested (not refused): FP32, Float16 and distributed optimizers (``--bf16``/``--fp16``,
 ``--use-distributed-optimizer``, ``--overlap-grad-reduce``), tensor and pipeline parallel, and
-interleaved (virtual) pipelines, MTP.
+interleaved (virtual) pipelines, MTP, mixture-of-experts with expert parallelism (alltoall and
+allgather dispatchers, expert tensor parallel size 1; docs/moe.md).
 """
 
 from __future__ import annotations
@@ -68,9 +69,12 @@ def unsupported_flag(args: Any) -> Optional[tuple[str, str]]:
         return flag, "DTensor gradient shards are not read yet"
     if on("use_torch_fsdp2"):
         return "--use-torch-fsdp2", "DTensor gradient shards are not read yet"
-    if size("expert_model_parallel_size") > 1:
-        return ("--expert-model-parallel-size",
-                "with EP > 1 one fault reaches expert gradients on several ranks: origins are miscounted")
+    if getattr(args, "num_experts", None) and getattr(args, "moe_token_dispatcher_type", None) == "flex":
+        return ("--moe-token-dispatcher-type flex",
+                "the DeepEP/HybridEP dispatcher is CUDA-only and has not run with the guard; use alltoall or allgather")
+    if getattr(args, "num_experts", None) and size("expert_tensor_parallel_size") > 1:
+        return ("--expert-tensor-parallel-size",
+                "experts split over tensor-parallel ranks have not run with the guard yet; set it to 1")
     if size("context_parallel_size") > 1:
         return "--context-parallel-size", "not yet tested with the guard (needs Transformer Engine attention)"
     return None

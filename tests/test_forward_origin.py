@@ -36,6 +36,19 @@ def test_replay_names_the_module_whose_output_went_nan_first(tmp_path):
                                "on rank(s) [0], found by the replay"), lines
 
 
+def test_a_nan_born_in_backward_is_named_by_the_replays_backward_origin(tmp_path):
+    """``phase=backward``: the gradient flowing into the MLP's output is NaN; the forward pass
+    stays finite, so the replay's trace of the gradients at module outputs names the module."""
+    out = tmp_path / "run"
+    run = run_tiny(out, "--steps", "6", "--inject", "nan:step=3,phase=backward,module=decoder.layers.1.mlp")
+    assert run.returncode == 0, run.output[-3000:]
+    record = only_incident(out)
+    assert record["step"] == 3 and "forward_origin" not in record
+    assert record["backward_origin"] == {"module": "decoder.layers.1.mlp", "layer": 1, "ranks": [0]}
+    assert diagnosis(record)[1] == ("  entered at: the backward pass, the gradient into decoder.layers.1.mlp (layer 1) "
+                                    "on rank(s) [0] (the forward pass stayed finite), found by the replay")
+
+
 def test_under_pipeline_parallel_the_module_has_its_global_layer_and_stage_rank(tmp_path):
     """4 layers over 2 stages: global layer 2 is the second stage's local layer 0."""
     out = tmp_path / "run"
@@ -73,7 +86,7 @@ def test_a_gradient_fault_is_not_called_a_forward_fault(tmp_path):
     ("nan:step=3,phase=forward", "phase=forward takes module=NAME"),
     ("nan:step=3,phase=forward,module=a,param=b", "phase=forward takes module=NAME"),
     ("bitflip:step=3,phase=forward,module=a", "phase=forward takes module=NAME"),
-    ("nan:step=3,module=decoder.layers.0", "module applies to phase=forward only"),
+    ("nan:step=3,module=decoder.layers.0", "module applies to phases forward and backward only"),
 ])
 def test_forward_drill_specs_are_checked(text, problem):
     with pytest.raises(ConfigError, match=problem):

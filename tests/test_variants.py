@@ -30,7 +30,10 @@ def megatron_args(**flags) -> SimpleNamespace:
     ({"optimizer_cpu_offload": True, "use_precision_aware_optimizer": True}, "--optimizer-cpu-offload"),
     ({"use_megatron_fsdp": True}, "--use-megatron-fsdp"),
     ({"use_torch_fsdp2": True}, "--use-torch-fsdp2"),
-    ({"expert_model_parallel_size": 2}, "--expert-model-parallel-size"),
+    ({"num_experts": 4, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "flex"},
+     "--moe-token-dispatcher-type flex"),
+    ({"num_experts": 4, "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2},
+     "--expert-tensor-parallel-size"),
     ({"context_parallel_size": 2}, "--context-parallel-size"),
 ])
 def test_each_unchecked_variant_is_refused_in_one_line_naming_its_flag(flags, flag):
@@ -61,6 +64,9 @@ def test_the_no_replica_option_alone_changes_nothing_and_passes():
 @pytest.mark.parametrize("flags", [
     {}, {"use_distributed_optimizer": True}, {"virtual_pipeline_model_parallel_size": 2},
     {"expert_model_parallel_size": None, "context_parallel_size": None},  # argparse defaults of old lines
+    {"num_experts": 4, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "alltoall",
+     "expert_tensor_parallel_size": 1},  # MoE with expert parallelism: checked (docs/moe.md)
+    {"num_experts": 4, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"},
 ])
 def test_checked_variants_pass(flags):
     variants.refuse_args(megatron_args(**flags))

@@ -173,9 +173,11 @@ def _advise(args: Any) -> None:
                  "and the guard decides (docs/megatron_lm.md)")
 
 
-def _refuse_unsupported(args: Any, optimizer: Any) -> None:
+def _refuse_unsupported(args: Any, optimizer: Any = None) -> None:
     """Stop every rank with exit code 2 and one line (rank 0) when the job uses a variant the
-    guard does not check yet (:mod:`megatron_patches.variants`): never run it unchecked."""
+    guard does not check yet (:mod:`megatron_patches.variants`): never run it unchecked. Asked
+    on the arguments before the model is built (``optimizer`` None; a variant's model may not
+    even build on this machine) and again on the built optimizer."""
     from .. import variants
     from ..errors import UnsupportedConfig
     from ..optimizer_params import leaves
@@ -185,7 +187,7 @@ def _refuse_unsupported(args: Any, optimizer: Any) -> None:
     try:
         variants.refuse_args(args)
         refuse_unchecked_paths(args)  # MindSpeed's quantized and LayerZeRO steps skip prepare_grads
-        for leaf in leaves(optimizer):
+        for leaf in leaves(optimizer) if optimizer is not None else ():
             variants.refuse_optimizer(leaf)
     except UnsupportedConfig as exc:
         if collectives.rank() == 0:
@@ -238,6 +240,7 @@ def setup_model_wrapper(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     from megatron.training import get_args
 
+    _refuse_unsupported(get_args())
     switched = switch_off_for_retry(get_args())
     result = wrapped(*args, **kwargs)
     if switched:

@@ -6,8 +6,21 @@ tensor-parallel layers, ``param.type() == 'torch.cuda.FloatTensor'`` checks in t
 optimizer, and CUDA streams. :func:`install` redirects exactly those to the CPU so that
 the real model, DDP, optimizer and schedules train on CPU with gloo. One more is not about
 CUDA: core 0.12's ``quantize_param_shard`` (called by every distributed-optimizer step) raises
-without Transformer Engine even when there are no FP8 parameters; with none it now returns. Nothing here is
-installed by importing this module, and :func:`uninstall` restores every attribute.
+without Transformer Engine even when there are no FP8 parameters; with none it now returns.
+
+Mixture-of-experts needs one more. The all-to-all token dispatcher moves its split sizes to the
+host with ``moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)``, which converts only CUDA
+tensors: on CPU the sizes stay tensors, and gloo's ``all_to_all_single`` rejects tensor split
+sizes (TypeError). :func:`_host_copy_for_moe` converts CPU tensors the way the CUDA path does.
+
+Sequence parallel needs a stand-in. The local layer spec's norm (``WrappedTorchNorm``, a torch
+``LayerNorm``/``RMSNorm``) asserts that sequence parallel is off; the norms that support it (Apex's
+fused one, Transformer Engine's) are CUDA kernels. What sequence parallel needs of a norm is that
+its weights are marked ``sequence_parallel``, so that ``finalize_model_grads`` all-reduces their
+gradients over the tensor-parallel group (each TP rank normalised only its slice of the sequence).
+:func:`_sequence_parallel_torch_norm` stands in for those fused norms: the same torch norm, its
+parameters marked as they mark theirs. Without sequence parallel it is ``WrappedTorchNorm`` unchanged.
+Nothing here is installed by importing this module, and :func:`uninstall` restores every attribute.
 
 This is a test runtime: it makes numbers come out of real megatron-core code on
 machines without an accelerator. It is not a way to train at speed.
@@ -155,7 +168,76 @@ def _redirects() -> list[tuple[Any, str, Any]]:
     if "quantize_param_shard" in distrib_optimizer.__dict__:
         quantize = _nothing_to_quantize_without_fp8_params(distrib_optimizer.quantize_param_shard)
         items.append((distrib_optimizer, "quantize_param_shard", quantize))
+    items += _moe_redirects()
+    items += _sequence_parallel_norm_redirects()
     return items
+
+
+def _sequence_parallel_norm_redirects() -> list[tuple[Any, str, Any]]:
+    try:
+        from megatron.core.transformer import torch_norm
+    except ImportError:  # pragma: no cover - a build without it
+        return []
+    owner = getattr(torch_norm, "WrappedTorchNorm", None)
+    if owner is None or "__new__" not in owner.__dict__:
+        return []
+    return [(owner, "__new__", _sequence_parallel_torch_norm(owner.__dict__["__new__"]))]
+
+
+def _sequence_parallel_torch_norm(original: Callable) -> Callable:
+    """``WrappedTorchNorm.__new__`` that, under sequence parallel, builds the torch norm anyway and
+    marks its parameters ``sequence_parallel`` (a CPU stand-in for Apex's and Transformer Engine's
+    norms, which do the same)."""
+
+    @functools.wraps(original)
+    def new(cls, config, *args, **kwargs):
+        if not getattr(config, "sequence_parallel", False):
+            return original(cls, config, *args, **kwargs)
+        config_without = _SequenceParallelOff(config)
+        norm = original(cls, config_without, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    return new
+
+
+class _SequenceParallelOff:
+    """A view of a TransformerConfig that reads ``sequence_parallel`` as False (for the torch norm's
+    own assertion) and everything else as the config says."""
+
+    def __init__(self, config: Any):
+        self._config = config
+
+    def __getattr__(self, name: str) -> Any:
+        return False if name == "sequence_parallel" else getattr(self._config, name)
+
+
+def _moe_redirects() -> list[tuple[Any, str, Any]]:
+    """``maybe_move_tensor_to_cpu`` where megatron-core has it (from 0.12's MoE utilities on),
+    in ``moe_utils`` and in every MoE module that imported it by name."""
+    try:
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    except ImportError:  # pragma: no cover - a build without MoE
+        return []
+    original = moe_utils.__dict__.get("maybe_move_tensor_to_cpu")
+    if original is None:
+        return []
+    replacement = _host_copy_for_moe(original)
+    return [(module, "maybe_move_tensor_to_cpu", replacement) for module in (moe_utils, token_dispatcher)
+            if module.__dict__.get("maybe_move_tensor_to_cpu") is original]
+
+
+def _host_copy_for_moe(original: Callable) -> Callable:
+    """``maybe_move_tensor_to_cpu`` that also converts a CPU tensor to numpy when asked."""
+
+    @functools.wraps(original)
+    def wrapper(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return wrapper
 
 
 def _nothing_to_quantize_without_fp8_params(original: Callable) -> Callable:

@@ -6,7 +6,9 @@ providers tell it what to build and how to compute the loss. This module holds o
 providers, so the real loop runs in CI without a checkout:
 
 - :func:`model_provider`: a megatron-core ``GPTModel`` on the local (non-Transformer-Engine) layer
-  spec, configured from Megatron's own parsed arguments;
+  spec, configured from Megatron's own parsed arguments; with ``--num-experts`` its layers are
+  megatron-core's mixture-of-experts layers (router, token dispatcher, experts, shared experts,
+  ``--moe-layer-freq``), built by megatron-core's own block spec as ``pretrain_gpt.py`` does;
 - :func:`datasets_provider`: :class:`CountingDataset`, deterministic token sequences whose next
   token is predictable (so the loss falls), built on every rank (no broadcast needed);
 - :func:`forward_step`: one micro-batch through the model, the loss as (sum, token count) the way
@@ -55,7 +57,6 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
                    config: Any = None, pg_collection: Any = None, **_: Any):
     """A ``GPTModel`` for this pipeline stage, from Megatron's parsed arguments."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
@@ -67,7 +68,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         kwargs["pg_collection"] = pg_collection
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=_layer_spec(config, vp_stage),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -76,6 +77,19 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         position_embedding_type=args.position_embedding_type,
         **kwargs,
     )
+
+
+def _layer_spec(config: Any, vp_stage: Any):
+    """The local layer spec; for a mixture-of-experts model (``--num-experts``) the block spec of
+    megatron-core, which puts dense and expert layers where ``--moe-layer-freq`` says."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if not getattr(config, "num_moe_experts", None):
+        return gpt_layer_specs.get_gpt_layer_local_spec()
+    block_spec = gpt_layer_specs.get_gpt_decoder_block_spec
+    if "vp_stage" in inspect.signature(block_spec).parameters:
+        return block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+    return block_spec(config, use_transformer_engine=False)
 
 
 def datasets_provider(train_val_test_num_samples, vp_stage: Any = None):
