@@ -309,8 +309,8 @@ def test_the_alert_of_a_stopping_exit_leaves(tmp_path):
     config.write_text("response:\n  persist_steps: 1\n  on_error: stop\n  replay: false\n"
                       f"alerts:\n  webhooks:\n    - url: {receiver.url}\n      timeout_s: 13\n      retries: 0\n")
     try:
-        run = run_tiny(tmp_path / "out", "--steps", "6", "--config", str(config),
-                       "--inject", "nan:step=3,param=decoder.layers.1.mlp.linear_fc1.weight")
+        run = run_tiny(tmp_path / "out", "--steps", "6", "--config", str(config),  # the exit is the subject
+                       "--inject", "nan:step=3,param=decoder.layers.1.mlp.linear_fc1.weight", process=True)
     finally:
         receiver.stop()
     assert run.returncode == 85, run.output[-3000:]

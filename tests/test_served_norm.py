@@ -116,10 +116,11 @@ def test_by_default_megatron_computes_every_norm_under_the_guard(tmp_path):
 @pytest.mark.skipif(not _packaged_loop_available(), reason="megatron-core ships megatron/training from 0.17 on")
 @pytest.mark.parametrize("layout", [
     ("--bf16", "--use-distributed-optimizer"),
-    ("--fp16", "--initial-loss-scale", "65536", "--use-distributed-optimizer"),
-    (),  # fp32, plain DDP
+    # fp16, fp32 and PP2 in make test-all (slow): CI keeps one layout per seam (distopt, TP, EP)
+    pytest.param(("--fp16", "--initial-loss-scale", "65536", "--use-distributed-optimizer"), marks=pytest.mark.slow),
+    pytest.param((), marks=pytest.mark.slow),  # fp32, plain DDP
     ("--bf16", "--tensor-model-parallel-size", "2"),
-    ("--bf16", "--pipeline-model-parallel-size", "2"),
+    pytest.param(("--bf16", "--pipeline-model-parallel-size", "2"), marks=pytest.mark.slow),
     ("--bf16", "--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
      "--disable-bias-linear", "--moe-token-dispatcher-type", "alltoall"),
 ], ids=["dp2-bf16-distopt", "dp2-fp16-distopt", "dp2-fp32", "tp2-bf16", "pp2-bf16", "moe-ep2-bf16"])
