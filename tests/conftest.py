@@ -1,10 +1,8 @@
-"""Shared helpers: run the real tiny-GPT harness (in this process for one rank, under torchrun
+"""Shared helpers: run the real tiny-GPT harness (in a fork of this process for one rank, under torchrun
 for several) and read what it wrote."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import logging
 import os
@@ -37,11 +35,11 @@ class Run:
 def run_tiny(out: Path, *args: str, nproc: int = 1, env: dict | None = None, timeout: int = 300,
              process: bool = False) -> Run:
     """Train with the tiny-GPT harness: ``python -m megatron_patches.tiny_gpt`` under torchrun when
-    nproc > 1, or when ``env`` or ``process`` asks for a process of its own (a variable read at
-    import, a kill drill); one rank otherwise runs here, in the test's process, through the same
-    ``main`` (:func:`run_tiny_here`), which saves the 11 s of start-up a process costs."""
+    nproc > 1, or when ``env`` or ``process`` asks for a fresh process (a variable read at import,
+    a kill drill); one rank otherwise runs in a fork of the test process through the same ``main``
+    (:func:`run_tiny_forked`), which saves the 11 s of imports a fresh process costs."""
     if nproc == 1 and env is None and not process:
-        return run_tiny_here(out, *args)
+        return run_tiny_forked(out, *args, timeout=timeout)
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "megatron_patches.tiny_gpt"]
@@ -54,47 +52,71 @@ def run_tiny(out: Path, *args: str, nproc: int = 1, env: dict | None = None, tim
     return Run(proc.returncode, proc.stdout + proc.stderr, out)
 
 
-_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MEGATRON_PATCHES_CONFIG")
+def run_tiny_forked(out: Path, *args: str, timeout: int = 300) -> Run:
+    """One rank of the harness, ``tiny_gpt.main``, in a fork of this process (:func:`run_forked`)."""
+    from megatron_patches.testing import tiny_gpt
+
+    code, output = run_forked(lambda: tiny_gpt.main(["--out", str(out), *args]), timeout=timeout)
+    return Run(code, output, out)
 
 
-def run_tiny_here(out: Path, *args: str) -> Run:
-    """One rank of the harness in this process: ``tiny_gpt.main`` with its stdout, its stderr and
-    the guard's log lines captured, then everything a run leaves in a process undone (the guard's
-    patches and monitor, megatron-core's parallel groups, the process group, the CPU runtime, the
-    launcher variables the harness sets), so the next run starts as a fresh process would. The
-    exit code is what ``main`` returns, or the code a guard's stop raised."""
-    from megatron.core import parallel_state
+def run_forked(target, timeout: int = 300) -> tuple[int, str]:
+    """Call ``target()`` (a one-rank training's main) in a child forked from this process, torch,
+    megatron-core and the guard already imported; returns its exit code and its output. In the
+    child, file descriptors 1 and 2 and Python's streams (the guard's log handler included) go to
+    one file, torch runs one intra-op thread as the subprocess runs do, and the child ends with
+    ``os._exit`` and target's return code (or a stop's). Whatever a run leaves (patches, parallel
+    groups, gloo threads, environment variables) dies with the child: the test process stays as
+    it was. After ``timeout`` seconds the child is killed (exit -9)."""
+    import signal
+    import tempfile
+    import time
+
     import torch
 
-    from megatron_patches import runtime
-    from megatron_patches.testing import cpu, tiny_gpt
-
-    saved_env = {name: os.environ.pop(name) for name in _LAUNCH_VARIABLES if name in os.environ}
-    logger = logging.getLogger("megatron_patches")
-    saved_log = (list(logger.handlers), logger.propagate, logger.level)
-    streams = [(h, h.stream) for h in logger.handlers if type(h) is logging.StreamHandler]
-    buffer = io.StringIO()
-    for handler, _ in streams:
-        handler.setStream(buffer)
-    try:
-        with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+    log_fd, log_path = tempfile.mkstemp(prefix="forked_run.", suffix=".log")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.dup2(log_fd, 1)
+            os.dup2(log_fd, 2)
+            sys.stdout = open(1, "w", buffering=1, closefd=False)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)
+            for handler in logging.getLogger("megatron_patches").handlers:
+                if type(handler) is logging.StreamHandler:
+                    handler.setStream(sys.stderr)
+            os.environ.pop("MEGATRON_PATCHES_CONFIG", None)
+            torch.set_num_threads(1)
             try:
-                code = tiny_gpt.main(["--out", str(out), *args])
+                code = target()
             except SystemExit as stop:
                 code = stop.code if isinstance(stop.code, int) else 1
-    finally:
-        runtime.uninstall()
-        parallel_state.destroy_model_parallel()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        cpu.uninstall()
-        for name in _LAUNCH_VARIABLES:
-            os.environ.pop(name, None)
-        os.environ.update(saved_env)
-        for handler, stream in streams:
-            handler.setStream(stream)
-        logger.handlers[:], logger.propagate, logger.level = saved_log
-    return Run(code, buffer.getvalue(), out)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code if isinstance(code, int) and 0 <= code < 256 else 1)
+    os.close(log_fd)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            break
+        time.sleep(0.05)
+    output = Path(log_path).read_text(errors="replace")
+    os.unlink(log_path)
+    return code, output
 
 
 def assert_trained(run: Run, min_drop: float = 0.5) -> dict:
@@ -177,13 +199,15 @@ def _core_minor() -> tuple[int, int]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """``one_line`` tests cover what is the same on every megatron-core line (the guard's own files,
-    CLI, alerts, detectors' arithmetic, the harness's data): ``make test`` runs them on the 0.16
-    line only, to keep each CI leg near 15 minutes; ``make test-all`` (which sets EVERY_LINE) runs
-    them on every line."""
+    """``one_line`` tests run on the 0.16 line only under ``make test``: what is the same on every
+    megatron-core line (the guard's own files, CLI, alerts, detectors' arithmetic, the harness's
+    data), and the harness's detection, consistency, recovery, record and forward-origin runs,
+    whose scenarios the 0.17+ line trains through Megatron-LM's own loop instead
+    (tests/test_megatron_lm.py, tests/test_moe.py, tests/test_served_norm.py). ``make test-all``
+    (which sets EVERY_LINE) runs them on every line."""
     if os.environ.get(EVERY_LINE) or _core_minor() < (0, 17):
         return
-    skip = pytest.mark.skip(reason=f"line-independent: run on the 0.16 leg (set {EVERY_LINE}=1 to run here)")
+    skip = pytest.mark.skip(reason=f"run on the 0.16 leg only (set {EVERY_LINE}=1 to run here)")
     for item in items:
         if item.get_closest_marker("one_line"):
             item.add_marker(skip)

@@ -3,6 +3,7 @@
 import pytest
 
 from conftest import assert_norm_is_megatrons, assert_trained, run_tiny
+from test_served_norm import assert_served_every_step, run_audited
 
 
 def test_single_rank_fp32_trains(tmp_path):
@@ -15,22 +16,33 @@ def test_single_rank_fp32_trains(tmp_path):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
-    "nproc, args, layout",
+    "args, layout",
     [
-        (2, ["--tp", "2"], (2, 1, 1)),
-        (2, ["--pp", "2", "--layers", "4"], (1, 2, 1)),
-        (2, ["--distributed-optimizer"], (1, 1, 2)),
-        (2, ["--precision", "bf16", "--distributed-optimizer"], (1, 1, 2)),
-        (2, ["--precision", "fp16"], (1, 1, 2)),
+        (["--tp", "2"], (2, 1, 1)),
+        (["--pp", "2", "--layers", "4"], (1, 2, 1)),
+        (["--distributed-optimizer"], (1, 1, 2)),
+        (["--precision", "bf16", "--distributed-optimizer"], (1, 1, 2)),
     ],
-    ids=["tp2", "pp2", "dp2-distopt", "bf16-dp2-distopt", "fp16-dp2"],
+    ids=["tp2", "pp2", "dp2-distopt", "bf16-dp2-distopt"],
 )
-def test_parallel_layouts_train(tmp_path, nproc, args, layout):
-    result = assert_trained(run_tiny(tmp_path, "--steps", "25", *args, nproc=nproc))
+def test_parallel_layouts_train_and_the_guard_serves_megatrons_norm(tmp_path, args, layout):
+    """Two ranks in each layout, with ``serve_norm: true`` and Megatron's norm computation watched
+    (tests/norm_audit.py): the model trains, nothing is reported, and on every step of every rank
+    the clipping norm came from the guard, equal to what Megatron's own code gives for the same
+    gradients, Megatron never reading them for it. (Serving off, the default, is
+    tests/test_served_norm.py: Megatron computes every norm.)"""
+    result, audits = run_audited(tmp_path, "--steps", "20", *args, nproc=2, min_drop=0.5)
     assert (result["tp"], result["pp"], result["dp"]) == layout
-    assert result["world_size"] == nproc
+    assert result["world_size"] == 2 and result["incidents"] == 0
+    assert_served_every_step(result, audits, steps=20)
+
+
+@pytest.mark.multiproc
+def test_fp16_data_parallel_trains_through_the_scalers_calibration(tmp_path):
+    result = assert_trained(run_tiny(tmp_path, "--steps", "25", "--precision", "fp16", nproc=2))
+    assert (result["tp"], result["pp"], result["dp"], result["world_size"]) == (1, 1, 2, 2)
     assert result["incidents"] == 0
-    assert_norm_is_megatrons(result, steps=25 - result["skipped_steps"])  # fp16: loss-scale skips
+    assert_norm_is_megatrons(result, steps=25 - result["skipped_steps"])  # the loss-scale skips
 
 
 def test_bf16_single_rank_trains(tmp_path):
