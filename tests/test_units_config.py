@@ -2,6 +2,7 @@
 URLs kept out of messages, and config files that are not YAML mappings (config.py, config_load.py)."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -210,3 +211,24 @@ def test_the_environment_names_the_file_when_no_path_is_given(tmp_path, monkeypa
     assert config_path() is None and load_config() == Config()
     monkeypatch.delenv(ENV_VAR)
     assert load_config() == Config()
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_configuration_reference_is_the_one_the_code_generates():
+    from megatron_patches import config_reference
+
+    written = (REPO / "docs" / "configuration.md").read_text()
+    assert written == config_reference.render(), (
+        "docs/configuration.md drifted from megatron_patches/config.py: "
+        "python -m megatron_patches.config_reference > docs/configuration.md")
+
+
+def test_the_config_operations_md_quotes_is_the_default_config():
+    """The YAML block under "## Configuration" in docs/operations.md, read as a config, is Config()."""
+    import yaml
+
+    text = (REPO / "docs" / "operations.md").read_text()
+    block = text.split("## Configuration", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    assert Config.from_dict(yaml.safe_load(block)) == Config()

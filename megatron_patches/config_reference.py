@@ -1,0 +1,105 @@
+"""The configuration reference, generated from the config dataclasses and the docstring under each
+field: ``python -m megatron_patches.config_reference > docs/configuration.md``. A unit test fails
+when that file and the code drift apart, so the reference never quotes a stale default."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import json
+import sys
+import typing
+from typing import Any, Iterator
+
+from . import config
+
+HEADER = """# Configuration reference
+
+Every key of the guard's YAML config (`MEGATRON_PATCHES_CONFIG`, or `--config` in the harness),
+with its type, its default and what it does. Every key has a working default; a wrong one is refused
+with one line naming it. Generated from `megatron_patches/config.py` by
+`python -m megatron_patches.config_reference > docs/configuration.md`; do not edit by hand
+(`tests/test_units_config.py` compares the two). How the sections work together:
+[operations.md](operations.md#configuration).
+"""
+
+
+def _field_docs(cls: type) -> dict[str, tuple[str, str]]:
+    """Field name -> (its annotation as written, the docstring under it, on one line)."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = (ast.unparse(node.annotation), " ".join(after.value.value.split()))
+    return docs
+
+
+def _config_class(annotation: Any) -> type | None:
+    """The config dataclass a field holds, alone or as the items of a tuple, else None."""
+    if dataclasses.is_dataclass(annotation):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def _yaml(value: Any) -> str:
+    if isinstance(value, tuple):
+        value = list(value)
+    return value if isinstance(value, str) and value else json.dumps(value)
+
+
+def _sections(cls: type, prefix: str) -> Iterator[tuple[str, type]]:
+    """(dotted section name, dataclass) for ``cls`` and every section under it, depth first."""
+    yield prefix, cls
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        inner = _config_class(hints[f.name])
+        if inner is not None:
+            many = inner is not hints[f.name]
+            yield from _sections(inner, f"{prefix}.{f.name}[]" if prefix and many else
+                                 f"{f.name}[]" if many else f"{prefix}.{f.name}" if prefix else f.name)
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls, vars(config))
+
+
+def _rows(cls: type) -> Iterator[str]:
+    docs = _field_docs(cls)
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if _config_class(hints[f.name]) is not None and _config_class(hints[f.name]) is hints[f.name]:
+            continue  # a section of its own
+        if f.default is not dataclasses.MISSING:
+            default = _yaml(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = _yaml(f.default_factory())
+        else:
+            default = "(required)"
+        kind, text = docs[f.name]
+        yield f"| `{f.name}` | `{_cell(kind)}` | `{_cell(default)}` | {_cell(text)} |"
+
+
+def _cell(text: str) -> str:
+    """``text`` inside a Markdown table cell."""
+    return text.replace("|", "\\|")
+
+
+def render() -> str:
+    """The whole reference as Markdown."""
+    parts = [HEADER]
+    for name, cls in _sections(config.Config, ""):
+        rows = list(_rows(cls))
+        if not rows:
+            continue
+        parts.append(f"\n## {name or 'top level'}\n\n| key | type | default | what it does |\n| --- | --- | --- | --- |\n")
+        parts.append("\n".join(rows) + "\n")
+    return "".join(parts)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())
