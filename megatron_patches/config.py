@@ -79,6 +79,12 @@ def _non_negative(value: Any) -> Optional[str]:
     return None
 
 
+def _exit_status(value: Any) -> Optional[str]:
+    if value is not None and not 3 <= value <= 255:
+        return "must be an exit status from 3 to 255 (0 is success, 1 a crash, 2 a refusal)"
+    return None
+
+
 def _http_url(value: Any) -> Optional[str]:
     if value is not None and not value.startswith(("http://", "https://")):
         return "must be an http:// or https:// URL"
@@ -237,6 +243,27 @@ class AlertsConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ExitCodesConfig:
+    rollback: int = field(default=84, metadata={"check": _exit_status})
+    """Every rank exits with this after the ledger is written: restart the job, it resumes from
+    the newest healthy checkpoint (``scripts/restart_on_rollback.py --restart-on`` must match)."""
+    stop: int = field(default=85, metadata={"check": _exit_status})
+    """An *error* with ``response.on_error: stop``: stopped cleanly for a person to look."""
+    critical: int = field(default=86, metadata={"check": _exit_status})
+    """A *critical* incident (several replicas at once, or the retry budget spent). Give it the
+    code your launcher's or scheduler's policy does not restart (NVRx ft_launcher 0.4.1 restarts
+    on any failure, measured: docs/megatron_lm.md)."""
+    peer_lost: int = field(default=87, metadata={"check": _exit_status})
+    """A peer died or went silent while the ranks agreed on an incident: restart like a lost node."""
+
+    def __post_init__(self) -> None:
+        codes = [self.rollback, self.stop, self.critical, self.peer_lost]
+        if len(set(codes)) != len(codes):
+            raise ConfigError(f"response.exit_codes: each outcome needs its own code, got rollback {self.rollback}, "
+                              f"stop {self.stop}, critical {self.critical}, peer_lost {self.peer_lost}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ResponseConfig:
     persist_steps: int = field(default=2, metadata={"check": _at_least_one})
     """An anomaly on this many consecutive checked steps is an *error* (one alone is a *warning*)."""
@@ -246,7 +273,7 @@ class ResponseConfig:
     """Steps over which ``recur_count`` is counted."""
     on_error: Literal["rollback", "stop"] = "rollback"
     """What an *error* does after saving: roll back to the newest healthy checkpoint, or stop
-    every rank cleanly (exit code 85) for a person to look."""
+    every rank cleanly (``exit_codes.stop``, 85) for a person to look."""
     critical_origins: int = field(default=2, metadata={"check": _at_least_one})
     """Anomalies entering on this many data-parallel replicas at once are *critical* (one rank's
     NaN copied to every replica by the all-reduce counts as one origin)."""
@@ -259,8 +286,11 @@ class ResponseConfig:
     peer_timeout_s: float = field(default=300.0, metadata={"check": _positive})
     """Longest any rank waits for the others in an incident's decision (the findings gathered
     to rank 0, the decision broadcast back). When a peer died or stopped answering, every rank
-    still alive exits with code 87 within this time instead of waiting for the process group's
+    still alive exits with ``exit_codes.peer_lost`` (87) within this time instead of waiting for the process group's
     own timeout (Megatron's default: 10 minutes, then an abort)."""
+    exit_codes: ExitCodesConfig = field(default_factory=ExitCodesConfig)
+    """The process exit status of each way the guard ends a job, for the launcher to act on.
+    Refusals at start (a bad config, ledger, drill or variant) always exit 2."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -91,18 +91,19 @@ def _fallback_incident(verdict: Verdict, decision: Decision) -> Optional[Inciden
         return None
 
 
-def exit_peer_lost(step: int, error: Exception, timeout_s: float, close: Callable[[], None]) -> None:
+def exit_peer_lost(step: int, error: Exception, timeout_s: float, close: Callable[[], None],
+                   code: int = EXIT_PEER_LOST) -> None:
     """A peer died or went silent during an incident's decision: nothing can be agreed on any
     more. Flush what this rank holds (``close``), then end the process at once: a barrier,
     Megatron's teardown or an exit callback would wait for the lost peer (under nccl up to the
-    process group's timeout), so none of them runs."""
+    process group's timeout), so none of them runs. ``code``: ``response.exit_codes.peer_lost``."""
     log.error("step %d: a peer was lost while the ranks agreed on an incident (%s); exiting with code %d "
               "within response.peer_timeout_s=%gs; restart the job (nothing was decided, no ledger written)",
-              step, error, EXIT_PEER_LOST, timeout_s)
+              step, error, code, timeout_s)
     try:
         close()
     finally:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(EXIT_PEER_LOST)
+        os._exit(code)

@@ -318,7 +318,8 @@ class GradMonitor:
         return True
 
     def _peer_lost(self, step: int, error: Exception) -> None:
-        exit_peer_lost(step, error, self.config.response.peer_timeout_s, self.close)
+        exit_peer_lost(step, error, self.config.response.peer_timeout_s, self.close,
+                       self.config.response.exit_codes.peer_lost)
 
     # --- what the executor calls -------------------------------------------------------------
 
@@ -371,7 +372,7 @@ class GradMonitor:
             flush(decision)
         if self.executor is not None:
             decision = self.executor.settle_exit(decision)
-        code = exit_code(decision)
+        code = exit_code(decision, self.config.response.exit_codes)
         self.close()
         log.warning("stopping with exit code %d", code)
         if torch.distributed.is_initialized():

@@ -6,7 +6,7 @@ Two executors share the :class:`Ledger` kept next to the checkpoints:
 * in-process (:class:`InProcessRecovery`): for loops that hand over their state through the
   small :class:`TrainingLoop` protocol (the tiny-GPT harness does);
 * exit-and-restart: with no executor attached the monitor writes the ledger and every rank
-  exits with ``EXIT_ROLLBACK``; the next start reads the ledger (``Ledger.load``) and resumes.
+  exits with ``response.exit_codes.rollback`` (84); the next start reads the ledger (``Ledger.load``) and resumes.
 
 Pseudocode of one incident, as the in-process executor runs it::
 
@@ -38,7 +38,7 @@ from . import checkpoint, forward_origin, inject, model_chunks, safe_mode
 from .errors import UserError
 from .incidents import Incident, Outcome
 from .protocols import Guard
-from .response import EXIT_CRITICAL, EXIT_ROLLBACK, Action, Decision, exit_code
+from .response import Action, Decision, exit_code
 
 log = logging.getLogger("megatron_patches")
 
@@ -294,7 +294,7 @@ class InProcessRecovery:
 
 class ExitAndRestart:
     """For loops that cannot be re-entered (Megatron-LM's ``pretrain_gpt.py``): on a rollback
-    decision rank 0 writes the ledger and every rank exits with ``EXIT_ROLLBACK``; the launcher
+    decision rank 0 writes the ledger and every rank exits with ``response.exit_codes.rollback``; the launcher
     restarts the job, which loads the newest healthy checkpoint and applies the ledger. The one
     writer of that ledger; ``request_fields`` (the integration's) adds to its rollback request."""
 
@@ -323,21 +323,22 @@ class ExitAndRestart:
         """Rank 0 writes the ledger for the restart. Where it cannot, a restart would resume
         without knowing why (no LR scale, no blacklist, no count against the budget): rank 0
         then stops critically instead, which no launcher takes for a rollback."""
-        if exit_code(decision) != EXIT_ROLLBACK or self.monitor.rank != 0:
+        codes = self.monitor.config.response.exit_codes
+        if exit_code(decision, codes) != codes.rollback or self.monitor.rank != 0:
             return decision
         # The loop that reads the ledger at start-up switches the features off.
         self.ledger.record_rollback(self.config, self._episode_samples if self.config.blacklist == "always" else [])
         fields = self._request_fields() if self._request_fields is not None else {}
         self.ledger.rollback_requested = {"from_step": self.monitor.step, **fields}
         self.ledger.spent_injections = sorted(set(self.ledger.spent_injections) | set(inject.active().fired_specs()))
-        self.ledger.events.append({"step": self.monitor.step, "exit": EXIT_ROLLBACK, "lr_scale": self.ledger.lr_scale,
+        self.ledger.events.append({"step": self.monitor.step, "exit": codes.rollback, "lr_scale": self.ledger.lr_scale,
                                    "blacklisted": len(self._episode_samples),
                                    **({"skip_iterations": fields["skip_iterations"]} if "skip_iterations" in fields else {})})
         try:
             self.ledger.save(self.checkpoint_root)
         except OSError as error:
             log.error("the ledger could not be written (%s): a restart would not know this rollback; "
-                      "stopping with %d instead of asking for one", error, EXIT_CRITICAL)
+                      "stopping with %d instead of asking for one", error, codes.critical)
             return decision.escalated("the ledger could not be written")
         return decision
 

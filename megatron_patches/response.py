@@ -2,7 +2,8 @@
 
 Decided on rank 0 from what every rank reported, then broadcast, so all ranks act alike.
 Exit codes are part of the contract with launchers (``scripts/`` restarts on ROLLBACK);
-:func:`exit_code` is the one place that maps a decision to one.
+:func:`exit_code` is the one place that maps a decision to one. The constants below are the
+defaults of ``response.exit_codes``, which a job may change.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
-from .config import Config
+from .config import Config, ExitCodesConfig
 
 EXIT_ROLLBACK = 84
 """Every rank exits with this after writing the ledger: restart me, I will resume from the
@@ -78,11 +79,11 @@ class Decision:
                         origins=self.origins)
 
 
-def exit_code(decision: Decision) -> int:
-    """The process exit code that carries ``decision`` to the launcher."""
+def exit_code(decision: Decision, codes: ExitCodesConfig = ExitCodesConfig()) -> int:
+    """The process exit code that carries ``decision`` to the launcher (``response.exit_codes``)."""
     if decision.severity == Severity.CRITICAL:
-        return EXIT_CRITICAL
-    return EXIT_ROLLBACK if decision.action == Action.ROLLBACK else EXIT_STOP
+        return codes.critical
+    return codes.rollback if decision.action == Action.ROLLBACK else codes.stop
 
 
 class GradePolicy:

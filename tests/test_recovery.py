@@ -94,10 +94,14 @@ def test_fault_scene_bundle_is_complete(tmp_path):
 
 @pytest.mark.multiproc
 def test_faults_on_two_replicas_at_once_are_critical_and_every_rank_exits(tmp_path):
-    procs = run_ranks(2, ["--out", str(tmp_path), "--steps", "10", "--save-interval", "2",
+    """Every rank exits with the critical code the config gives it (``response.exit_codes.critical:
+    93`` here; 86 by default)."""
+    config = tmp_path / "guard.yaml"
+    config.write_text("response: {exit_codes: {critical: 93}}\n")
+    procs = run_ranks(2, ["--out", str(tmp_path), "--steps", "10", "--save-interval", "2", "--config", str(config),
                           "--inject", f"nan:step=5,param={FC1},rank=0,phase=local",
                           "--inject", "nan:step=5,param=decoder.layers.0.mlp.linear_fc2.weight,rank=1,phase=local"])
-    assert [p.returncode for p in procs] == [86, 86], procs[0].stdout[-2000:]
+    assert [p.returncode for p in procs] == [93, 93], procs[0].stdout[-2000:]
     record = [json.loads(line) for line in (tmp_path / "incidents.jsonl").read_text().splitlines()][-1]
     assert (record["severity"], record["action"]) == ("critical", "stop")
     assert record["origin_ranks"] == [0, 1]

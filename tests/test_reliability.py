@@ -445,3 +445,19 @@ def test_the_kill_drill_parses_strictly_and_fires_once():
     assert not injector  # no gradient drill: the hooks hand no gradients over for it
     assert not injector.kills(3, 0) and not injector.kills(2, 1)
     assert injector.kills(3, 1) and not injector.kills(3, 1)
+
+
+@pytest.mark.parametrize("config, flags, expected", [
+    ("response: {on_error: stop, exit_codes: {stop: 91}}", [], 91),
+    ("response: {exit_codes: {rollback: 90}}", ["--recovery", "exit"], 90),
+], ids=["stop-91", "rollback-90"])
+def test_a_job_ends_with_the_exit_code_its_config_gives_each_outcome(tmp_path, config, flags, expected):
+    """response.exit_codes reaches the process's exit status: an error that stops and an
+    exit-and-restart rollback, each with the code the config sets. (A critical stop with its
+    configured code: tests/test_recovery.py::test_faults_on_two_replicas_at_once_are_critical_and_every_rank_exits.)"""
+    path = tmp_path / "guard.yaml"
+    path.write_text(config + "\n")
+    run = run_tiny(tmp_path / "run", "--steps", "6", "--config", str(path), *flags,
+                   "--inject", "nan:step=2,count=2")
+    assert run.returncode == expected, run.output[-3000:]
+    assert f"stopping with exit code {expected}" in run.output, run.output[-3000:]

@@ -232,3 +232,22 @@ def test_the_config_operations_md_quotes_is_the_default_config():
     text = (REPO / "docs" / "operations.md").read_text()
     block = text.split("## Configuration", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
     assert Config.from_dict(yaml.safe_load(block)) == Config()
+
+
+@pytest.mark.parametrize("codes, problem", [
+    ({"critical": 0}, "response.exit_codes.critical"), ({"rollback": 2}, "from 3 to 255"),
+    ({"stop": 256}, "from 3 to 255"), ({"critical": 84}, "each outcome needs its own code")])
+def test_exit_codes_out_of_range_or_shared_are_refused_in_one_line(codes, problem):
+    message = refused({"response": {"exit_codes": codes}})
+    assert problem in message and "\n" not in message, message
+
+
+def test_exit_codes_map_each_decision_to_the_configured_status():
+    from megatron_patches.response import Action, Decision, Severity, exit_code
+
+    codes = Config.from_dict({"response": {"exit_codes": {"rollback": 90, "stop": 91, "critical": 93}}}).response.exit_codes
+    assert exit_code(Decision(Severity.ERROR, Action.ROLLBACK, "", 1), codes) == 90
+    assert exit_code(Decision(Severity.ERROR, Action.STOP, "", 1), codes) == 91
+    assert exit_code(Decision(Severity.CRITICAL, Action.STOP, "", 1), codes) == 93
+    assert exit_code(Decision(Severity.CRITICAL, Action.STOP, "", 1)) == 86  # the defaults
+    assert codes.peer_lost == 87

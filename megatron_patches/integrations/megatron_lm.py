@@ -48,7 +48,6 @@ from .megatron_lm_rollback import (Rollback, built_model_facts, core_version, sk
                                    switch_off_for_retry, to_iterations_to_skip)
 from ..errors import EXIT_USER_ERROR, UserError
 from ..protocols import Guard
-from ..response import EXIT_ROLLBACK
 
 __all__ = [
     "MegatronLMSession", "session", "scheduler_wrapper", "setup_model_wrapper", "train_step_wrapper",
@@ -99,7 +98,7 @@ class MegatronLMSession:
         self.root = args.save or args.load
         if self.root is None:
             warn0("neither --save nor --load given: a rollback decision exits with %d but "
-                  "there is no checkpoint or ledger to resume from", EXIT_ROLLBACK)
+                  "there is no checkpoint or ledger to resume from", self.monitor.config.response.exit_codes.rollback)
             return
         try:
             self.rollback = Rollback(self.monitor, self.root)
