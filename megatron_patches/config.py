@@ -286,8 +286,8 @@ class ResponseConfig:
     peer_timeout_s: float = field(default=300.0, metadata={"check": _positive})
     """Longest any rank waits for the others in an incident's decision (the findings gathered
     to rank 0, the decision broadcast back). When a peer died or stopped answering, every rank
-    still alive exits with ``exit_codes.peer_lost`` (87) within this time instead of waiting for the process group's
-    own timeout (Megatron's default: 10 minutes, then an abort)."""
+    still alive exits with ``exit_codes.peer_lost`` (87) within this time instead of waiting for
+    the process group's own timeout (Megatron's default: 10 minutes, then an abort)."""
     exit_codes: ExitCodesConfig = field(default_factory=ExitCodesConfig)
     """The process exit status of each way the guard ends a job, for the launcher to act on.
     Refusals at start (a bad config, ledger, drill or variant) always exit 2."""

@@ -59,9 +59,8 @@ def _sections(cls: type, prefix: str) -> Iterator[tuple[str, type]]:
     for f in dataclasses.fields(cls):
         inner = _config_class(hints[f.name])
         if inner is not None:
-            many = inner is not hints[f.name]
-            yield from _sections(inner, f"{prefix}.{f.name}[]" if prefix and many else
-                                 f"{f.name}[]" if many else f"{prefix}.{f.name}" if prefix else f.name)
+            name = f"{prefix}.{f.name}" if prefix else f.name
+            yield from _sections(inner, name if inner is hints[f.name] else f"{name}[]")
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -72,7 +71,7 @@ def _rows(cls: type) -> Iterator[str]:
     docs = _field_docs(cls)
     hints = _hints(cls)
     for f in dataclasses.fields(cls):
-        if _config_class(hints[f.name]) is not None and _config_class(hints[f.name]) is hints[f.name]:
+        if dataclasses.is_dataclass(hints[f.name]):
             continue  # a section of its own
         if f.default is not dataclasses.MISSING:
             default = _yaml(f.default)
