@@ -24,7 +24,8 @@ from megatron_patches.incident_text import diagnosis, expert_text
 from megatron_patches.incidents import ParamFinding
 
 from megatron_patches.recovery import Ledger
-from test_megatron_lm import REPO, TINY, Loop, _packaged_loop_available, guard_env, incidents, iterations, rollback_run
+from test_megatron_lm import (REPO, TINY, Loop, _packaged_loop_available, guard_env, incidents, iterations,
+                              report_text, rollback_run)
 
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2", "--disable-bias-linear"]
 EXPERT_FC1 = "decoder.layers.1.mlp.experts.local_experts.{k}.linear_fc1.weight"
@@ -162,11 +163,6 @@ def moe_run(tmp_path: Path, *extra: str, drill: str | None = None, nproc: int = 
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return proc
-
-
-def report_text(tmp_path: Path) -> str:
-    return subprocess.run([sys.executable, "-m", "megatron_patches", "report", str(tmp_path / "reports")],
-                          capture_output=True, text=True, cwd=REPO).stdout
 
 
 @needs_packaged_loop
