@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 
-from . import inject, locate, model_chunks
+from . import locate
 from .incidents import ParamFinding
+from .model_chunks import ModelChunks
 from .optimizer_params import model_grad
 from .protocols import Guard
 
@@ -74,7 +74,7 @@ def check_grads(monitor: Guard, group: Any, call: Callable[[], Any]) -> Any:
         if rerunning():  # Megatron's rerun of the step in place: noted in the first run already
             log.info("step %d: non-finite local gradient again in Megatron's rerun of the step", monitor.upcoming_step())
             return result
-        findings = nonfinite_params(group)
+        findings = nonfinite_params(monitor.model_chunks, group)
         if not findings:  # an fp16 bucket's norm overflowed; every gradient in it is finite
             log.info("step %d: Megatron's bucket norm is %s but every local gradient in the bucket group is finite "
                      "(the norm overflowed in the buffer's dtype); not an origin", monitor.upcoming_step(),
@@ -112,10 +112,10 @@ def takes_over(result: Any, rejection_func: Callable) -> bool:
     return not finite
 
 
-def nonfinite_params(group: Any) -> list[ParamFinding]:
+def nonfinite_params(chunks: ModelChunks, group: Any) -> list[ParamFinding]:
     """This rank's parameters in ``group`` whose local gradient holds NaN/Inf (the fault path)."""
-    params = group_params(group)
-    infos = names_of(params)
+    params = chunks.group_params(group)
+    infos = names_of(chunks, params)
     ranks, host, device = locate.rank_info(), locate.host(), locate.device_name()
     findings = []
     for param in params:
@@ -135,32 +135,20 @@ def _inject(monitor: Guard, group: Any) -> None:
     """``phase=local`` drills due now, into this group's gradients before Megatron takes its norm.
     Under ``--overlap-grad-reduce`` this runs during backward, the last moment before the
     collective; without it ``finalize_model_grads`` came first and has fired them already."""
-    if inject.active():
-        fire_local_drills(monitor, group_params(group))
+    if monitor.drills:
+        fire_local_drills(monitor, monitor.model_chunks.group_params(group))
 
 
 def fire_local_drills(monitor: Guard, params: list) -> None:
     """Fire the ``phase=local`` drills due now whose targets are among ``params`` (one bucket group)."""
-    infos = names_of(params)
+    infos = names_of(monitor.model_chunks, params)
     grads = [(infos[id(p)].name, infos[id(p)].order, g) for p in params
              if (g := model_grad(p)) is not None and id(p) in infos]
-    fired = inject.active().apply(monitor.upcoming_step(), "local", monitor.rank, grads, part=True)
-    monitor.counters["injected"] += len(fired)
+    fired = monitor.drills.apply(monitor.upcoming_step(), "local", monitor.rank, grads, part=True)
+    monitor.count("injected", len(fired))
 
 
-_params: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
-"""Each bucket group's parameters (fixed for the group's life), in bucket order."""
-
-
-def group_params(group: Any) -> list:
-    """The parameters of ``group``'s buckets, listed once per group."""
-    params = _params.get(group)
-    if params is None:
-        params = _params[group] = [p for bucket in group.buckets for p in bucket.params_list]
-    return params
-
-
-def names_of(params: list) -> dict:
+def names_of(model_chunks: ModelChunks, params: list) -> dict:
     """Names from the model chunks the optimizer was built for (the chunks holding ``params``)."""
     wanted = {id(p) for p in params}
     for chunks in model_chunks.known():

@@ -17,8 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import hooks
-from .collectives import collective_device, prepare_bounded
+from .collectives import BoundedGroup, collective_device
 from .detectors import CheckContext
 from .locate import slot_names
 from .optimizer_params import Entry, build_entries, current_grads
@@ -56,9 +55,13 @@ class Verdict:
 class CheckStage:
     """Builds and reduces the vector for the optimizers it is given; caches per optimizer."""
 
-    def __init__(self, config: Any, detectors: list):
+    def __init__(self, config: Any, detectors: list, peers: BoundedGroup, model_chunks: Any):
+        """``peers``: the guard's bounded group, made at the first check; ``model_chunks``: the
+        run's :class:`~megatron_patches.model_chunks.ModelChunks` (parameter names)."""
         self.config = config
         self.detectors = detectors
+        self.peers = peers
+        self.model_chunks = model_chunks
         self._detector_width = sum(d.width() for d in detectors)
         self._entries: "weakref.WeakKeyDictionary[Any, list[Entry]]" = weakref.WeakKeyDictionary()
         self._num_slots: dict[int, int] = {}
@@ -67,7 +70,7 @@ class CheckStage:
     def entries_for(self, optimizer: Any) -> list[Entry]:
         entries = self._entries.get(optimizer)
         if entries is None:
-            entries, self._num_slots[id(optimizer)] = build_entries(optimizer, hooks.model_chunks_for(optimizer) or [])
+            entries, self._num_slots[id(optimizer)] = build_entries(optimizer, self.model_chunks.chunks_for(optimizer) or [])
             self._entries[optimizer] = entries
         return entries
 
@@ -80,7 +83,7 @@ class CheckStage:
         """Check ``optimizer``'s gradients of ``step`` on every rank; ``origin_flag``: this rank's
         pre-reduction flag (:mod:`~megatron_patches.origin`)."""
         ctx, maxabs, vec = self._local(optimizer, entries, step, origin_flag, saturation)
-        prepare_bounded(self.config.response.peer_timeout_s)  # once, while every rank is here
+        self.peers.prepare()  # once, while every rank is here
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(vec)  # every rank joins, stub optimizers included
         values = vec.tolist()  # the one host read of a checked step

@@ -35,56 +35,58 @@ class PeerLost(RuntimeError):
     """A bounded collective failed: a peer died, or did not answer within the timeout."""
 
 
-_bounded: dict = {}  # timeout (s) -> the guard's own gloo group with that timeout
+class BoundedGroup:
+    """The guard's own gloo group for the slow path, bounded by ``timeout_s`` (one per run, held by
+    its monitor). :meth:`prepare` makes it while every rank is known to be alive (every rank at the
+    same point: the first checked step); made later, in an incident a peer never reaches, it would
+    wait on the rendezvous store without a bound. The timeout bounds each wait, and gloo answers at
+    once when a peer's process is gone. Object collectives travel through the CPU, so the
+    accelerator's queues play no part."""
 
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._group: Any = None
 
-def prepare_bounded(timeout_s: float) -> None:
-    """Create the guard's own gloo group for the slow path while every rank is known to be alive
-    (call on every rank at the same point: the first checked step). Creating it later, in an
-    incident a peer never reaches, would wait on the rendezvous store without a bound. Its
-    timeout bounds each wait, and gloo answers at once when a peer's process is gone. Object
-    collectives travel through the CPU, so the accelerator's queues play no part."""
-    if not _single() and timeout_s not in _bounded:
-        _bounded[timeout_s] = torch.distributed.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    def prepare(self) -> None:
+        if self._group is None and not _single():
+            self._group = torch.distributed.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
 
-
-def _bounded_group(timeout_s: Optional[float]):
-    if timeout_s is None:
-        return None
-    if timeout_s not in _bounded:
-        raise PeerLost("the guard's bounded group was not prepared at the first check (prepare_bounded)")
-    return _bounded[timeout_s]
+    @property
+    def group(self) -> Any:
+        if self._group is None:
+            raise PeerLost("the guard's bounded group was not prepared at the first check (BoundedGroup.prepare)")
+        return self._group
 
 
 def _single() -> bool:
     return world_size() == 1
 
 
-def gather_to_zero(obj: Any, timeout_s: Optional[float] = None) -> list:
-    """Every rank's ``obj`` on rank 0 (a list by rank); an empty list elsewhere. With
-    ``timeout_s``, no rank waits longer than that: :class:`PeerLost` instead."""
+def gather_to_zero(obj: Any, bounded: Optional[BoundedGroup] = None) -> list:
+    """Every rank's ``obj`` on rank 0 (a list by rank); an empty list elsewhere. Over ``bounded``,
+    no rank waits longer than its timeout: :class:`PeerLost` instead."""
     if _single():
         return [obj]
     out = [None] * world_size() if rank() == 0 else None
     try:
-        torch.distributed.gather_object(obj, out, dst=0, group=_bounded_group(timeout_s))
+        torch.distributed.gather_object(obj, out, dst=0, group=None if bounded is None else bounded.group)
     except (RuntimeError, ValueError) as error:  # gloo: "Connection closed by peer", "Timed out"
-        if timeout_s is None:
+        if bounded is None:
             raise
         raise PeerLost(f"gathering from every rank failed: {error}") from error
     return out or []
 
 
-def broadcast_from_zero(obj: Any, timeout_s: Optional[float] = None) -> Any:
+def broadcast_from_zero(obj: Any, bounded: Optional[BoundedGroup] = None) -> Any:
     """Rank 0's ``obj`` on every rank, bounded like :func:`gather_to_zero`."""
     if _single():
         return obj
     box = [obj]
     try:
-        torch.distributed.broadcast_object_list(box, src=0, group=_bounded_group(timeout_s))
+        torch.distributed.broadcast_object_list(box, src=0, group=None if bounded is None else bounded.group)
     except (RuntimeError, ValueError) as error:
-        if timeout_s is None:
+        if bounded is None:
             raise
         raise PeerLost(f"the broadcast from rank 0 failed: {error}") from error
     return box[0]

@@ -27,9 +27,12 @@ log = logging.getLogger("megatron_patches")
 class Responder:
     """Rank 0's grading (:class:`GradePolicy`) and the collectives around it."""
 
-    def __init__(self, config: Any, detectors: list):
+    def __init__(self, config: Any, detectors: list, peers: Any):
+        """``peers``: the guard's :class:`~megatron_patches.collectives.BoundedGroup`; no rank waits
+        on another longer than ``response.peer_timeout_s`` while they agree."""
         self.config = config
         self.detectors = detectors
+        self.peers = peers
         self.policy = GradePolicy(config)
 
     def agree(self, verdict: Verdict, action: Action, part: dict, batch_info: dict, rollbacks: int,
@@ -38,9 +41,9 @@ class Responder:
         origin, checked, injected). Returns the decision everywhere and the incident on rank 0.
         ``cause``: what made the step an incident beside the gradients (a
         :class:`~megatron_patches.loss_scale.ScalerEvent`), the same on every rank."""
-        ctx, timeout = verdict.ctx, self.config.response.peer_timeout_s
+        ctx = verdict.ctx
         decision, incident = None, None
-        everyone = gather_to_zero(part, timeout)
+        everyone = gather_to_zero(part, self.peers)
         if everyone:  # rank 0
             try:
                 decision, incident = self._decide(verdict, everyone, action, batch_info, rollbacks, can_replay, cause)
@@ -50,7 +53,7 @@ class Responder:
                                     f"this incident ({type(error).__name__}: {error}); stopped rather "
                                     "than apply gradients nobody judged", ctx.step)
                 incident = _fallback_incident(verdict, decision)
-        return broadcast_from_zero(decision, timeout), incident
+        return broadcast_from_zero(decision, self.peers), incident
 
     def _decide(self, verdict: Verdict, everyone: list, action: Action, batch_info: dict, rollbacks: int,
                 can_replay: bool, cause: Optional[Any]) -> tuple[Decision, Incident]:
@@ -73,11 +76,11 @@ class Responder:
     def replay_verdict(self, verdict: Verdict) -> dict:
         """A replay's check: ``{"flagged", "first"}`` on every rank, ``first`` the parameter nearest
         the output among every rank's findings (no incident, no grading)."""
-        timeout, first = self.config.response.peer_timeout_s, None
+        first = None
         if verdict.flagged:
             mine = local_findings(self.config, self.detectors, verdict.ctx, verdict.maxabs, verdict.total_over)
-            first = first_name([f for part in gather_to_zero(mine, timeout) for f in part])
-        return broadcast_from_zero({"flagged": verdict.flagged, "first": first}, timeout)
+            first = first_name([f for part in gather_to_zero(mine, self.peers) for f in part])
+        return broadcast_from_zero({"flagged": verdict.flagged, "first": first}, self.peers)
 
 
 def _fallback_incident(verdict: Verdict, decision: Decision) -> Optional[Incident]:

@@ -27,19 +27,17 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import weakref
 from typing import Any, Optional
 
 import torch
 
-from . import collectives, inject, locate
-from .collectives import PeerLost, gather_to_zero
+from . import collectives, locate
+from .collectives import BoundedGroup, PeerLost, gather_to_zero
 from .inject import _corrupt
 from .protocols import Guard
 
 log = logging.getLogger("megatron_patches")
 
-_drilled: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # modules given their drill hooks
 
 
 def _floating(value: Any) -> list[torch.Tensor]:
@@ -76,14 +74,14 @@ def attach_drills(monitor: Guard, model_chunks: list) -> int:
     """Hook each ``phase=forward`` and ``phase=backward`` drill onto the modules its pattern names on this rank;
     returns how many modules were hooked. A pattern matching nothing here is fine (another
     pipeline stage may hold that module)."""
-    specs = inject.active().forward_specs()
+    specs = monitor.drills.forward_specs()
     if not specs:
         return 0
     hooked = 0
     for name, _, module in locate.name_modules(model_chunks):
-        if module in _drilled:  # the same model registered again (another optimizer of it)
+        if module in monitor.drills.hooked:  # the same model registered again (another optimizer of it)
             continue
-        _drilled.add(module)
+        monitor.drills.hooked.add(module)
         for index, spec in specs:
             if fnmatch.fnmatchcase(name, spec.module):
                 module.register_forward_hook(_drill_hook(monitor, index, spec, name))
@@ -93,17 +91,17 @@ def attach_drills(monitor: Guard, model_chunks: list) -> int:
 
 def _drill_hook(monitor: Guard, index: int, spec: Any, name: str):
     def hook(module, args, output):
-        if not inject.active().forward_due(index, monitor.upcoming_step(), monitor.rank, name):
+        if not monitor.drills.forward_due(index, monitor.upcoming_step(), monitor.rank, name):
             return None
         if spec.phase == "backward":  # the gradient that will flow into this output
             target = next((t for t in _floating(output) if t.requires_grad), None)
             if target is not None:
                 target.register_hook(lambda grad: _replace_first(grad, spec.kind, spec.factor)[0])
-                monitor.counters["injected"] += 1
+                monitor.count("injected")
             return None
         corrupted, done = _replace_first(output, spec.kind, spec.factor)
         if done:
-            monitor.counters["injected"] += 1
+            monitor.count("injected")
         return corrupted if done else None
     return hook
 
@@ -178,13 +176,13 @@ class ForwardTrace:
         return None
 
 
-def gather_origin(trace: ForwardTrace, timeout_s: float) -> tuple[Optional[dict], Optional[dict]]:
+def gather_origin(trace: ForwardTrace, peers: BoundedGroup) -> tuple[Optional[dict], Optional[dict]]:
     """Every rank's first non-finite module, on rank 0: the forward and the backward origin
     (:func:`origins_from`), each None when not found (and both None on the other ranks). Call on
     every rank."""
     mine = {"rank": collectives.rank(), "forward": trace.first(), "backward": trace.first_backward()}
     try:
-        everyone = gather_to_zero(mine, timeout_s)
+        everyone = gather_to_zero(mine, peers)
     except PeerLost as error:
         log.warning("forward origin not located: %s", error)
         return None, None

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import bucket_check, inject
+from . import bucket_check
 from .patching.marks import already_hooked
 
 def start_grad_sync(monitor: Any, group: Any, call: Callable[[], Any]) -> Any:
@@ -43,12 +43,11 @@ def start_grad_sync(monitor: Any, group: Any, call: Callable[[], Any]) -> Any:
 
 def _before_collective(monitor: Any, group: Any) -> None:
     step = monitor.upcoming_step()
-    injector = inject.active()
-    drills = bool(injector) and bool(injector.due(step, "local", monitor.rank))
+    drills = bool(monitor.drills) and bool(monitor.drills.due(step, "local", monitor.rank))
     origin = step % monitor.config.check_interval == 0 and monitor.origin.active()
     if not (drills or origin):  # one replica, a step not checked: nothing is read
         return
-    params = bucket_check.group_params(group)
+    params = monitor.model_chunks.group_params(group)
     _wait_for_replayed_grads(params)
     if drills:
         bucket_check.fire_local_drills(monitor, params)

@@ -14,11 +14,12 @@ import functools
 import inspect
 from typing import Any, Callable, Optional
 
-from . import bucket_check, forward_origin, grad_sync, inject, megatron_rerun, served_norm
+from . import bucket_check, forward_origin, grad_sync, megatron_rerun, served_norm
 from .integrations.mindspeed import undo_prepare_on_skip
-from .model_chunks import chunks_for, known, remember
 
 _monitor: Optional[Any] = None
+"""The one pointer to the run: the active monitor holds everything else the run keeps (its
+drills, model chunks, Megatron's rerun verdicts, the loop integration's session)."""
 _inside_check = contextvars.ContextVar("megatron_patches_inside_check", default=False)
 
 
@@ -38,20 +39,18 @@ def get_monitor() -> Optional[Any]:
     return _monitor
 
 
-model_chunks_for = chunks_for  # where the seams and the guard look them up: megatron_patches.model_chunks
-known_model_chunks = known
-
-
 def register_model(optimizer: Any, model_chunks: list) -> None:
-    """Tell the hooks which model an optimizer belongs to (names for incident records).
+    """Tell the active guard which model an optimizer belongs to (names for incident records).
     Done automatically for optimizers made by ``get_megatron_optimizer``; custom loops that
-    build optimizers otherwise call this once."""
+    build optimizers otherwise call this once, after the guard is installed. With no guard
+    active there is nothing to tell."""
+    if _monitor is None:
+        return
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    remember(optimizer, chunks)
-    if _monitor is not None and inject.active().forward_specs():
+    _monitor.model_chunks.remember(optimizer, chunks)
+    if _monitor.drills.forward_specs():
         forward_origin.attach_drills(_monitor, chunks)
-    if _monitor is not None:  # after the drills: a drilled router is seen as broken
-        _monitor.routing.attach(chunks)  # mixture-of-experts routers, if any
+    _monitor.routing.attach(chunks)  # after the drills: a drilled router is seen as broken (MoE routers, if any)
 
 
 @contextlib.contextmanager
@@ -165,7 +164,7 @@ def should_run_forward_backward_wrapper(wrapped, instance, args, kwargs):
     checked step in place, the guard watches the forward pass (:mod:`megatron_patches.megatron_rerun`)."""
     again = wrapped(*args, **kwargs)
     if _monitor is not None:
-            megatron_rerun.after_should_run(_monitor, instance, again)
+        megatron_rerun.after_should_run(_monitor, instance, again)
     return again
 
 

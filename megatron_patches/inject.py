@@ -30,10 +30,9 @@ rollback are not injected again. What actually fired (spec, parameter or sample,
 per step (:meth:`Injector.fired_at`), so an incident is labelled injected only by drills that
 fired at its step, never by a spec whose window merely covers it.
 
-The drills are a tool the guard calls, not part of its state: :func:`install` (done by
-``runtime.install`` from ``config.inject``) makes one :class:`Injector` the process's active one,
-and the hooks, the guard and the recovery executors reach it through :func:`active`. With none
-installed, :func:`active` is an injector without specs, which does nothing.
+The run's drills are one :class:`Injector` its monitor makes from ``config.inject`` before
+anything else (a bad spec stops the start) and holds as ``monitor.drills``; the hooks, the seams
+and the recovery executors reach it there. Without specs it does nothing.
 """
 
 from __future__ import annotations
@@ -41,8 +40,9 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import logging
+import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -177,6 +177,8 @@ class Injector:
         self._started: set[int] = set()  # forward drills that fired (they may fire again in a replay)
         self._clock = clock
         self._log: dict[int, list[dict]] = {}  # step -> what fired at it on this rank
+        self.hooked: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        """Modules given their forward/backward drill hooks (:func:`megatron_patches.forward_origin.attach_drills`)."""
 
     def _note(self, step: int, entry: dict) -> None:
         entries = self._log.setdefault(step, [])
@@ -329,23 +331,7 @@ def unmatched(injector: Injector, hits_by_rank: list[list[float]], param_names: 
             "without wrapper prefixes")
 
 
-_active = Injector(())
-
-
-def install(texts: Iterable[str], clock: Optional[Callable[[], tuple[int, int]]] = None) -> Injector:
-    """Parse ``texts`` (``config.inject``) and make them this process's drills; returns the injector.
-    ``clock`` is as for :class:`Injector`. A bad spec raises :class:`ConfigError` and changes nothing."""
-    global _active
-    _active = Injector([parse_spec(text) for text in texts], clock=clock)
-    return _active
-
-
-def uninstall() -> None:
-    """No drills from now on (``runtime.uninstall``)."""
-    global _active
-    _active = Injector(())
-
-
-def active() -> Injector:
-    """The process's drills (an empty injector when none were installed)."""
-    return _active
+def build(texts: Iterable[str], clock: Optional[Callable[[], tuple[int, int]]] = None) -> Injector:
+    """The drills ``texts`` (``config.inject``) describe; ``clock`` is as for :class:`Injector`.
+    A bad spec raises :class:`ConfigError`. The run's monitor holds the result (``monitor.drills``)."""
+    return Injector([parse_spec(text) for text in texts], clock=clock)

@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import bucket_check, forward_origin, model_chunks
+from . import bucket_check, forward_origin
 from .incident_text import expert_text
 from .protocols import Guard
 
@@ -58,13 +58,39 @@ class _Rejected:
     """Megatron's, once its rerun in place compared the two results."""
 
 
-_rejected: Optional[_Rejected] = None
-_loss_rejected_at: Optional[int] = None
-_trace: Optional[tuple[int, Any]] = None
-"""(step, ForwardTrace) while Megatron reruns a checked step in place."""
-_forward_first: Optional[tuple[int, dict]] = None
-"""(step, {"forward": ..., "backward": ...}) of this rank's trace of Megatron's rerun."""
-"""(step, this rank's first non-finite module in that rerun: ``{"module", "stage"}``)."""
+class RerunWatch:
+    """One run's view of Megatron's reruns in place (held by its monitor as ``monitor.rerun``):
+    what this rank rejected, and its trace of the rerun, until the incident takes them."""
+
+    def __init__(self) -> None:
+        self.rejected: Optional[_Rejected] = None
+        self.loss_rejected_at: Optional[int] = None
+        self.trace: Optional[tuple[int, Any]] = None
+        """(step, ForwardTrace) while Megatron reruns a checked step in place."""
+        self.first: Optional[tuple[int, dict]] = None
+        """(step, ``{"forward": ..., "backward": ...}``): this rank's first non-finite module
+        (``{"module", "stage"}``) in each pass of that rerun."""
+
+    def note(self, step: int, check: str, message: str, mode: str) -> None:
+        if check == LOSS:
+            self.loss_rejected_at = step
+        if self.rejected is None or self.rejected.step != step:
+            self.rejected = _Rejected(step, check, message, mode)
+
+    def part(self, step: int) -> Optional[dict]:
+        """This rank's share of the incident of ``step`` (the loss it rejected, Megatron's verdict),
+        taken once: a step reached again later starts with nothing."""
+        out: dict[str, Any] = {}
+        if self.loss_rejected_at == step:
+            out["loss_nonfinite"] = True
+        if self.first is not None and self.first[0] == step:
+            out["forward_first"] = self.first[1]["forward"]
+            out["backward_first"] = self.first[1]["backward"]
+        if self.rejected is not None and self.rejected.step == step:
+            out["rerun"] = {"mode": self.rejected.mode, "check": self.rejected.check,
+                            "message": self.rejected.message, "verdict": self.rejected.verdict}
+        self.rejected, self.loss_rejected_at, self.first = None, None, None
+        return out or None
 
 
 def validate(monitor: Guard, machine: Any, arguments: dict, call: Callable[..., Any]) -> Any:
@@ -81,7 +107,7 @@ def validate(monitor: Guard, machine: Any, arguments: dict, call: Callable[..., 
     if mode == "disabled":
         # Megatron would only test the result and raise on this rank: test it here, once.
         if _rejects(rejection, result, check):
-            _note(step, check, message, mode)
+            monitor.rerun.note(step, check, message, mode)
         return None
     if mode != "validate_results":
         return call()
@@ -89,7 +115,7 @@ def validate(monitor: Guard, machine: Any, arguments: dict, call: Callable[..., 
     def rejected(value: Any) -> bool:  # Megatron asks only on the initial run, before any rejection
         verdict = _rejects(rejection, value, check)
         if verdict:
-            _note(step, check, message, mode)
+            monitor.rerun.note(step, check, message, mode)
         return verdict
 
     compare = arguments.get("comparison_func") or _default_comparison()
@@ -97,11 +123,12 @@ def validate(monitor: Guard, machine: Any, arguments: dict, call: Callable[..., 
 
     def compared(initial: Any, rerun: Any) -> float:  # the rerun in place reached the rejected call
         difference = compare(initial, rerun)
-        if _rejected is not None and _rejected.step == step:
-            _rejected.verdict = TRANSIENT if difference > tolerance else REPRODUCIBLE
+        rejected = monitor.rerun.rejected
+        if rejected is not None and rejected.step == step:
+            rejected.verdict = TRANSIENT if difference > tolerance else REPRODUCIBLE
             log.warning("step %d: Megatron's rerun of the step in place: the %s is %s (%s); the job goes "
                         "on in this process, the guard's check before clipping decides", step, check,
-                        "finite now: a transient fault" if _rejected.verdict == TRANSIENT
+                        "finite now: a transient fault" if rejected.verdict == TRANSIENT
                         else "the same again: reproducible", message)
         return difference
 
@@ -116,14 +143,6 @@ def _rejects(rejection: Callable, result: Any, check: str) -> bool:
     return bool(rejection(result))
 
 
-def _note(step: int, check: str, message: str, mode: str) -> None:
-    global _rejected, _loss_rejected_at
-    if check == LOSS:
-        _loss_rejected_at = step
-    if _rejected is None or _rejected.step != step:
-        _rejected = _Rejected(step, check, message, mode)
-
-
 def _default_comparison() -> Callable[[Any, Any], float]:
     """The comparison Megatron uses when the caller gives none (0-dim float tensors)."""
     from megatron.core import rerun_state_machine
@@ -135,18 +154,17 @@ def after_should_run(monitor: Guard, machine: Any, again: bool) -> None:
     """After each ``should_run_forward_backward`` (every rank calls it, and the decision to rerun
     is already agreed there): a rerun in place of a checked step starts -> watch the forward pass;
     it ended -> keep this rank's first non-finite module for the incident."""
-    global _trace, _forward_first
+    watch = monitor.rerun
     in_place = again and _state_name(machine) == "RERUNNING_IN_PLACE"
-    if _trace is not None and not in_place:
-        step, trace = _trace
-        _trace = None
+    if watch.trace is not None and not in_place:
+        step, trace = watch.trace
+        watch.trace = None
         trace.__exit__(None, None, None)
         first = {"forward": trace.first(), "backward": trace.first_backward()}  # host reads, once per rerun
-        _forward_first = (step, first) if any(first.values()) else None
-    elif _trace is None and in_place and bucket_check.checks_nonfinite(monitor):
+        watch.first = (step, first) if any(first.values()) else None
+    elif watch.trace is None and in_place and bucket_check.checks_nonfinite(monitor):
         monitor.routing.restart()  # the rerun routes the step's tokens again
-        chunks = [chunk for chunk_list in model_chunks.known() for chunk in chunk_list]
-        _trace = (monitor.upcoming_step(), forward_origin.ForwardTrace(chunks).__enter__())
+        watch.trace = (monitor.upcoming_step(), forward_origin.ForwardTrace(monitor.model_chunks.modules()).__enter__())
 
 
 def _state_name(machine: Any) -> str:
@@ -154,25 +172,8 @@ def _state_name(machine: Any) -> str:
     return str(getattr(state, "name", state))
 
 
-def part(step: int) -> Optional[dict]:
-    """This rank's share of the incident of ``step`` (the loss it rejected, Megatron's verdict),
-    taken once: a step reached again later starts with nothing."""
-    global _rejected, _loss_rejected_at, _forward_first
-    out: dict[str, Any] = {}
-    if _loss_rejected_at == step:
-        out["loss_nonfinite"] = True
-    if _forward_first is not None and _forward_first[0] == step:
-        out["forward_first"] = _forward_first[1]["forward"]
-        out["backward_first"] = _forward_first[1]["backward"]
-    if _rejected is not None and _rejected.step == step:
-        out["rerun"] = {"mode": _rejected.mode, "check": _rejected.check, "message": _rejected.message,
-                        "verdict": _rejected.verdict}
-    _rejected, _loss_rejected_at, _forward_first = None, None, None
-    return out or None
-
-
 def record_fields(everyone: list, extra: dict) -> tuple[dict, str]:
-    """Rank 0: the record fields from every rank's :func:`part`, and what the message adds to
+    """Rank 0: the record fields from every rank's :meth:`RerunWatch.part`, and what the message adds to
     the one made with ``extra`` (the fields found so far)."""
     shares = [(p["ranks"]["global"], p["megatron"]) for p in everyone if p.get("megatron")]
     fields: dict[str, Any] = {}

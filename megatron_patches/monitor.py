@@ -37,7 +37,8 @@ from .findings import local_findings
 from .incidents import Incident, Outcome
 from .integrations.mindspeed import undo_prepare_on_skip
 from .loss_scale import LossScaleWatch, ScalerEvent
-from .megatron_rerun import part as megatron_share
+from .megatron_rerun import RerunWatch
+from .model_chunks import ModelChunks
 from .moe_routing import RoutingWatch
 from .origin import OriginWatch, PreReduction, named_grads
 from .optimizer_params import current_grads
@@ -57,15 +58,28 @@ class GradMonitor:
 
     def __init__(self, config: Config):
         self.config = config
+        # The run's state beside the pipeline, each piece passed down from here. The drills come
+        # first: a bad spec stops the start before anything is made. Poison drills ask the guard
+        # which step and rank a sample is fed on.
+        self.drills = inject.build(config.inject, clock=lambda: (self.upcoming_step(), self.rank))
+        """This run's fault drills (``config.inject``; an injector without specs does nothing)."""
+        self.model_chunks = ModelChunks()
+        """The model chunks each optimizer steps, and each DDP bucket group's parameters."""
+        self.rerun = RerunWatch()
+        """Megatron's rerun of a checked step in place: its verdict and trace (:mod:`~megatron_patches.megatron_rerun`)."""
+        self.loop_session: Optional[Any] = None
+        """The training loop integration's own state for this run (Megatron-LM's session), made by it."""
+        self.peers = collectives.BoundedGroup(config.response.peer_timeout_s)
+        """The guard's own gloo group for the slow path (made at the first check)."""
         self._overflow_mode: Optional[str] = None  # resolved at the first check (resolve_overflow_mode)
         self.detectors = detector_plugins.build(config)
         self.report_dir = os.path.abspath(config.report_dir)
-        self.stage = CheckStage(config, self.detectors)
+        self.stage = CheckStage(config, self.detectors, self.peers, self.model_chunks)
         self.origin = OriginWatch(config.response.origin_check)
         self.routing = RoutingWatch(self.upcoming_step, lambda step: step % config.check_interval == 0)
         """Tokens per expert and router finiteness of the step being made (mixture-of-experts)."""
         self.publisher = Publisher(config, self.report_dir)
-        self.responder = Responder(config, self.detectors)
+        self.responder = Responder(config, self.detectors, self.peers)
         self._loss_scale = LossScaleWatch(config.detectors.loss_scale)
         self._step = 0
         self._step_set = False
@@ -169,7 +183,7 @@ class GradMonitor:
             return self._scaler_overflow(optimizer, step)
         self._loss_scale.clear()
         entries = self.stage.entries_for(optimizer)
-        drills = inject.active()
+        drills = self.drills
         if drills:
             grads = [(e.info.name, e.info.order, g) for e, g in current_grads(optimizer, entries) if g is not None]
             self.counters["injected"] += len(drills.apply(step, "grad", self.rank, grads))
@@ -182,8 +196,8 @@ class GradMonitor:
         whole job stops every rank with exit code 2 and one line (rank 0), rather than rehearse
         nothing and look like a miss."""
         self._drills_checked = True
-        drills = inject.active()
-        chunks = hooks.model_chunks_for(optimizer)
+        drills = self.drills
+        chunks = self.model_chunks.chunks_for(optimizer)
         if not drills.specs or not chunks:  # no drills, or a model nobody registered: nothing to match
             return
         names = [info.name for info in locate.name_parameters(chunks).values()]
@@ -213,7 +227,7 @@ class GradMonitor:
         chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         step = self.upcoming_step()
         if not grad_sync.covers(chunks):
-            drills = inject.active()
+            drills = self.drills
             if drills:
                 self.counters["injected"] += len(drills.apply(step, "local", self.rank, named_grads(chunks)))
             if step % self.config.check_interval == 0:
@@ -247,7 +261,7 @@ class GradMonitor:
     def _note_checked(self, optimizer: Any, entries: list, verdict: Verdict) -> None:
         """A training step's check: counters, the served norm, the history line."""
         ctx = verdict.ctx
-        inject.active().forget_before(ctx.step)
+        self.drills.forget_before(ctx.step)
         self.counters["checked_steps"] += 1
         self.last_total_norm = ctx.total_norm
         if self.config.serve_norm:
@@ -262,14 +276,14 @@ class GradMonitor:
         ``cause``: the loss scaler's event that made this skipped step an incident."""
         ctx = verdict.ctx
         own_origin = before.is_origin()
-        pre_reduction = before.named() if own_origin else before.findings
+        pre_reduction = before.named(self.model_chunks) if own_origin else before.findings
         findings = local_findings(self.config, self.detectors, ctx, verdict.maxabs, verdict.total_over)
-        if inject.active().kills(ctx.step, self.rank):  # drill: this rank is lost in mid-incident
+        if self.drills.kills(ctx.step, self.rank):  # drill: this rank is lost in mid-incident
             os.kill(os.getpid(), signal.SIGKILL)
         part = {"findings": findings, "batch": self._batch, "ranks": locate.rank_info(),
-                "megatron": megatron_share(ctx.step),  # Megatron's loss check and rerun verdict
+                "megatron": self.rerun.part(ctx.step),  # Megatron's loss check and rerun verdict
                 "pre_reduction": pre_reduction, "origin": own_origin, "checked": len(ctx.entries),
-                "injected": inject.active().fired_at(ctx.step), "moe_routing": self.routing.share(ctx.step)}
+                "injected": self.drills.fired_at(ctx.step), "moe_routing": self.routing.share(ctx.step)}
         try:
             decision, incident = self.responder.agree(verdict, action, part, self._batch_info, self.rollbacks,
                                                       can_replay=getattr(self.executor, "in_process", False),
@@ -347,6 +361,15 @@ class GradMonitor:
         undo_prepare_on_skip(optimizer)  # no update follows (MindSpeed --reuse-fp32-param)
         return result
 
+    def attach(self, executor: Any, rollbacks: int) -> None:
+        """Make ``executor`` (:class:`~megatron_patches.protocols.Executor`) act on this guard's
+        decisions; ``rollbacks``: how many the run has had so far (its ledger's count)."""
+        self.executor, self.rollbacks = executor, rollbacks
+
+    def count(self, counter: str, n: int = 1) -> None:
+        """Add ``n`` to one of :attr:`counters` (the hooks and seams report what they did here)."""
+        self.counters[counter] += n
+
     def take_decision(self) -> Optional[Decision]:
         decision, self.decision = self.decision, None
         return decision
@@ -361,7 +384,7 @@ class GradMonitor:
         """After an in-process rollback: grading counts afresh, and drills that began are over."""
         self.rollbacks = rollbacks
         self.responder.policy.reset()
-        inject.active().spend_started()
+        self.drills.spend_started()
 
     def exit(self, decision: Decision) -> None:
         """Stop this rank cleanly for ``decision``: flush scenes and alerts, then exit with its

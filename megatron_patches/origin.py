@@ -22,6 +22,7 @@ import torch
 
 from . import locate
 from .bucket_check import names_of
+from .model_chunks import ModelChunks
 from .collectives import collective_device
 from .incidents import ParamFinding
 from .optimizer_params import model_grad
@@ -50,9 +51,10 @@ class PreReduction:
         """Reading the flag costs nothing on a quiet step: it is read on the slow path only."""
         return self.flag is not None and bool(self.flag.item() > 0)
 
-    def named(self) -> list[ParamFinding]:
-        """This rank's own faulty gradients: the bucket check's, else from the fused norms."""
-        return self.findings or [f for norms in self.norms for f in _norm_findings(norms)]
+    def named(self, model_chunks: ModelChunks) -> list[ParamFinding]:
+        """This rank's own faulty gradients: the bucket check's, else from the fused norms (named
+        from the run's ``model_chunks`` where a pass saw a bucket group, not the chunks)."""
+        return self.findings or [f for norms in self.norms for f in _norm_findings(model_chunks, norms)]
 
 
 class OriginWatch:
@@ -142,7 +144,7 @@ def _fused_norms(params: list) -> tuple[list, Optional[torch.Tensor]]:
         return held, torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
 
 
-def _norm_findings(origin_norms: Optional[tuple]) -> list[ParamFinding]:
+def _norm_findings(model_chunks: ModelChunks, origin_norms: Optional[tuple]) -> list[ParamFinding]:
     """This rank's parameters whose own gradient was non-finite before the reduction. NaN/Inf
     counts are those of the local gradient's norm only (the gradient itself was reduced since):
     1 marks which one it was."""
@@ -150,7 +152,7 @@ def _norm_findings(origin_norms: Optional[tuple]) -> list[ParamFinding]:
         return []
     chunks, params, norms = origin_norms
     if chunks is None:
-        infos = names_of(params)
+        infos = names_of(model_chunks, params)
     else:
         infos = locate.name_parameters(chunks)
     ranks, host, device = locate.rank_info(), locate.host(), locate.device_name()

@@ -47,9 +47,21 @@ class Guard(Protocol):
     """``fn(decision)`` called on every rank before the guard ends the process."""
 
     checked_norm: Any
+    """The last check's total norm until Megatron's get_grad_norm takes it (:mod:`~megatron_patches.served_norm`)."""
     routing: Any
     """Tokens per expert and router finiteness of the step being made (:mod:`~megatron_patches.moe_routing`)."""
-    """The last check's total norm until Megatron's get_grad_norm takes it (:mod:`~megatron_patches.served_norm`)."""
+
+    # The run's state beside the pipeline (what the hooks and seams keep between calls).
+    drills: Any
+    """The run's fault drills (:class:`~megatron_patches.inject.Injector`)."""
+    model_chunks: Any
+    """Optimizer -> model chunks, bucket group -> parameters (:class:`~megatron_patches.model_chunks.ModelChunks`)."""
+    rerun: Any
+    """Megatron's rerun of a checked step in place (:class:`~megatron_patches.megatron_rerun.RerunWatch`)."""
+    peers: Any
+    """The guard's bounded gloo group for the slow path (:class:`~megatron_patches.collectives.BoundedGroup`)."""
+    loop_session: Any
+    """The training-loop integration's own state for the run (Megatron-LM's session), or None."""
 
     @property
     def rank(self) -> int: ...
@@ -71,6 +83,12 @@ class Guard(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+    def attach(self, executor: Executor, rollbacks: int) -> None:
+        """Make ``executor`` act on the guard's decisions; ``rollbacks`` so far (the ledger's)."""
+
+    def count(self, counter: str, n: int = 1) -> None:
+        """Add ``n`` to ``counters[counter]``."""
 
     def take_decision(self) -> Optional["Decision"]:
         """The last incident's decision (identical on every rank), once."""

@@ -34,7 +34,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Optional, Protocol
 
-from . import checkpoint, forward_origin, inject, model_chunks, safe_mode
+from . import checkpoint, forward_origin, safe_mode
 from .errors import UserError
 from .incidents import Incident, Outcome
 from .protocols import Guard
@@ -193,8 +193,7 @@ class InProcessRecovery:
         self.config = monitor.config.recovery
         self.ledger = Ledger.load(loop.checkpoint_root)
         self._episode_samples: list = []
-        monitor.executor = self
-        monitor.rollbacks = self.ledger.rollbacks
+        monitor.attach(self, self.ledger.rollbacks)
         loop.set_blacklist(self.ledger.blacklist)
         loop.set_lr_scale(self.ledger.lr_scale)
 
@@ -241,11 +240,11 @@ class InProcessRecovery:
         """Replay ``step`` with every module's output and its gradient watched: the replay's
         verdict, and where the forward pass, else the backward pass, first went non-finite (rank 0;
         None elsewhere or when it stayed finite)."""
-        chunks = [chunk for chunk_list in model_chunks.known() for chunk in chunk_list]
+        chunks = self.monitor.model_chunks.modules()
         self.monitor.set_step(step)  # the replayed forward is step ``step`` again (forward drills)
         with forward_origin.ForwardTrace(chunks) as trace:
             replay = self.loop.replay_step(step)
-        return replay, forward_origin.gather_origin(trace, self.monitor.config.response.peer_timeout_s)
+        return replay, forward_origin.gather_origin(trace, self.monitor.peers)
 
     def _rollback(self, step: int, decision: Decision, outcome: Outcome) -> int:
         target = checkpoint.newest_healthy(self.loop.checkpoint_root)
@@ -310,10 +309,9 @@ class ExitAndRestart:
         self.ledger = Ledger.load(checkpoint_root)
         self._request_fields = request_fields
         self._episode_samples: list = []
-        monitor.rollbacks = self.ledger.rollbacks
-        inject.active().spend(self.ledger.spent_injections)
+        monitor.drills.spend(self.ledger.spent_injections)
         monitor.listeners.append(self._on_decision)
-        monitor.executor = self
+        monitor.attach(self, self.ledger.rollbacks)
 
     def _on_decision(self, decision: Decision, incident: Optional[Incident]) -> None:
         if incident is not None and incident.batch is not None:  # rank 0, with every rank's samples
@@ -330,7 +328,7 @@ class ExitAndRestart:
         self.ledger.record_rollback(self.config, self._episode_samples if self.config.blacklist == "always" else [])
         fields = self._request_fields() if self._request_fields is not None else {}
         self.ledger.rollback_requested = {"from_step": self.monitor.step, **fields}
-        self.ledger.spent_injections = sorted(set(self.ledger.spent_injections) | set(inject.active().fired_specs()))
+        self.ledger.spent_injections = sorted(set(self.ledger.spent_injections) | set(self.monitor.drills.fired_specs()))
         self.ledger.events.append({"step": self.monitor.step, "exit": codes.rollback, "lr_scale": self.ledger.lr_scale,
                                    "blacklisted": len(self._episode_samples),
                                    **({"skip_iterations": fields["skip_iterations"]} if "skip_iterations" in fields else {})})

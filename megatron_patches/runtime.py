@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Optional
 
-from . import hooks, inject, patching
+from . import hooks, patching
 from .config import Config, load_config
 from .errors import EXIT_USER_ERROR, UserError
 from .monitor import GradMonitor
@@ -40,10 +40,7 @@ def install(config: Optional[Config] = None) -> Optional[GradMonitor]:
         return None
     monitor = hooks.get_monitor()
     if monitor is None:
-        # The drills first: a bad spec stops here, before anything is made or patched. Poison
-        # drills ask the guard which step and rank a sample is fed on.
-        inject.install(config.inject, clock=lambda: (monitor.upcoming_step(), monitor.rank))
-        monitor = GradMonitor(config)
+        monitor = GradMonitor(config)  # a bad drill spec stops here, before anything is patched
         hooks.set_monitor(monitor)
     patching.install()
     return monitor
@@ -63,8 +60,8 @@ def install_from_environment() -> Optional[GradMonitor]:
 
 
 def uninstall() -> None:
-    """Remove the patches and the monitor (tests, or a loop that wants them gone)."""
+    """Remove the patches and the monitor, and with it everything the run kept (tests, or a loop
+    that wants them gone)."""
     patching.uninstall()
     hooks.set_monitor(None)
-    inject.uninstall()
 

@@ -73,7 +73,7 @@ def take(monitor: Guard, optimizer: Any) -> Optional[Any]:
     if len(now) != len(checked.grads) or any(
             ref() is not g or g._version != version for g, ref, version in zip(now, checked.grads, checked.versions)):
         return None
-    monitor.counters["served_norms"] += 1
+    monitor.count("served_norms")
     return _as_megatron_returns(checked.total_norm, now[0].device if now else collective_device())
 
 

@@ -105,8 +105,6 @@ class SizeBench:
             "--check-for-nan-in-grad",  # as Megatron-LM runs by default (--check-for-nan-in-loss-and-grad)
             "--hidden", str(shape["hidden"]), "--layers", str(shape["layers"]), "--heads", str(shape["heads"])]),
             device)
-        # Built unguarded: name the parameters as get_megatron_optimizer's wrapper would.
-        hooks.register_model(self.trainer.optimizer, [self.trainer.model])
         # The guard works in optimizer.step() (prepare_grads) and in finalize_model_grads (before
         # the data-parallel reduction): time both. Both are looked up at each call, so that the
         # patched variants go through whatever the patches wrap.
@@ -117,6 +115,9 @@ class SizeBench:
         self.trainer.config.finalize_model_grads_func = self.timers["finalize"].wrap(
             lambda *a, **k: fmg.finalize_model_grads(*a, **k))
         self.variants = Variants(os.path.join(workdir, size, "reports"), self.timers["guard"])
+        # Built unguarded: each variant's run names the parameters as get_megatron_optimizer's wrapper would.
+        for monitor in self.variants.monitors.values():
+            monitor.model_chunks.remember(self.trainer.optimizer, [self.trainer.model])
         self.steps_done = 0
         self.ms = {part: {v: [] for v in VARIANTS} for part in PARTS}
         self.yard_ms: list[float] = []

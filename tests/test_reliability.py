@@ -263,15 +263,16 @@ def test_a_rank_killed_mid_incident_ends_the_others_with_87_within_the_bound(tmp
 
 _SILENT_PEER = r"""
 import os, sys, time, torch
-from megatron_patches.collectives import PeerLost, gather_to_zero, prepare_bounded
+from megatron_patches.collectives import BoundedGroup, PeerLost, gather_to_zero
 torch.distributed.init_process_group("gloo")
-prepare_bounded(2.0)
+peers = BoundedGroup(2.0)
+peers.prepare()
 if torch.distributed.get_rank() == 1:
     time.sleep(20)  # alive, connected, silent
     os._exit(0)
 started = time.monotonic()
 try:
-    gather_to_zero({"findings": []}, 2.0)
+    gather_to_zero({"findings": []}, peers)
 except PeerLost as error:
     print(f"PEER_LOST after {time.monotonic() - started:.1f}s: {error}")
     os._exit(0)

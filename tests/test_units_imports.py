@@ -87,3 +87,47 @@ def test_the_registry_names_its_wrappers_and_each_resolves_to_a_function():
     for target in TARGETS + TRAINING_TARGETS:
         assert isinstance(target.wrapper, str) and target.wrapper.startswith("megatron_patches.")
         assert callable(target.resolve()), target.wrapper
+
+
+# --- per-run state lives on the run's monitor, not in module globals (issue 22 item 1) ------------
+
+PROCESS_STATE = {
+    ("megatron_patches.hooks", "_monitor"): "the one pointer to the run: its monitor holds the rest",
+    ("megatron_patches.patching", "_installed"): "the process's patches of Megatron's classes",
+    ("megatron_patches.patching", "_first_call_seen"): "whether a patched target ran yet in the process",
+    ("megatron_patches.patching", "_unwatch"): "the process's import watchers for late-imported targets",
+    ("megatron_patches.testing.cpu", "_state"): "the CPU runtime's redirects of torch and Megatron",
+    ("megatron_patches.testing.megatron_lm_cpu", "_state"): "the CPU runtime's redirects of Megatron-LM's loop",
+}
+_MUTABLE_CALLS = {"dict", "list", "set", "defaultdict", "OrderedDict", "WeakKeyDictionary", "WeakValueDictionary",
+                  "WeakSet", "Injector"}
+
+
+def module_state() -> set[tuple[str, str]]:
+    """(module, name) of each name a ``global`` statement rebinds, and of each module-level
+    lowercase name bound to a mutable container."""
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Global):
+                found |= {(module, name) for name in node.names}
+        for node in tree.body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                value = node.value
+                called = value.func if isinstance(value, ast.Call) else None
+                name_called = getattr(called, "attr", None) or getattr(called, "id", None)
+                if isinstance(value, (ast.Dict, ast.List, ast.Set)) or name_called in _MUTABLE_CALLS:
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    found |= {(module, t.id) for t in targets
+                              if isinstance(t, ast.Name) and not t.id.isupper() and t.id != "__all__"}
+    return found
+
+
+def test_no_module_keeps_per_run_state():
+    """Everything a run keeps (drills, model chunks, Megatron's rerun verdicts, the slow path's
+    group, the loop integration's session) hangs off its monitor, so a second run in the process
+    starts clean; what stays in modules is the process's, each with its reason above."""
+    assert module_state() - PROCESS_STATE.keys() == set()
+    assert PROCESS_STATE.keys() <= module_state()  # the list stays true as the code changes

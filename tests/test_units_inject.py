@@ -105,39 +105,38 @@ def test_a_bad_spec_is_refused_naming_the_spec_and_the_problem(text, message):
     assert isinstance(caught.value, UserError) and "\n" not in said
 
 
-def test_the_drills_are_installed_beside_the_guard_not_inside_it(clean_patches):
-    """runtime.install makes config.inject the process's active drills; uninstall clears them;
-    the guard itself holds none."""
-    from megatron_patches import inject, runtime
+def test_the_drills_are_the_runs_and_go_with_it(clean_patches):
+    """runtime.install gives the run's monitor config.inject as its drills; a second run in the
+    process starts with its own, and none is left anywhere once the guard is uninstalled."""
+    from megatron_patches import hooks, runtime
     from megatron_patches.config import Config
 
-    assert not inject.active() and inject.active().forward_specs() == []
     logger = logging.getLogger("megatron_patches")
     kept = (logger.propagate, list(logger.handlers), logger.level)  # install sets logging up
-    monitor = runtime.install(Config.from_dict({"inject": ["nan:step=3,phase=local", "poison:sample=7"]}))
     try:
-        assert [s.text for s in inject.active().specs] == ["nan:step=3,phase=local", "poison:sample=7"]
-        assert not hasattr(monitor, "injector")
-        assert inject.active().poisoned([6, 7]) == {7}
-        assert inject.active().fired_at(monitor.upcoming_step()) == [
+        monitor = runtime.install(Config.from_dict({"inject": ["nan:step=3,phase=local", "poison:sample=7"]}))
+        assert [s.text for s in monitor.drills.specs] == ["nan:step=3,phase=local", "poison:sample=7"]
+        assert monitor.drills.poisoned([6, 7]) == {7}
+        assert monitor.drills.fired_at(monitor.upcoming_step()) == [
             {"drill": "poison:sample=7", "rank": 0, "sample": 7}]  # fed on the step the guard is making
+        runtime.uninstall()
+        assert hooks.get_monitor() is None
+        again = runtime.install(Config())
+        assert again is not monitor and again.drills.specs == () and not again.drills
     finally:
         runtime.uninstall()
         logger.propagate, logger.handlers[:] = kept[0], kept[1]
         logger.setLevel(kept[2])
-    assert inject.active().specs == ()
 
 
-def test_a_bad_spec_leaves_the_active_drills_as_they_were():
-    from megatron_patches import inject
+def test_a_bad_spec_stops_the_start_before_anything_is_patched(clean_patches):
+    from megatron_patches import hooks, patching, runtime
+    from megatron_patches.config import Config
 
-    try:
-        inject.install(["nan:step=2"])
-        with pytest.raises(ConfigError, match="step"):
-            inject.install(["nan:step=2", "nan:step=zero"])
-        assert [s.text for s in inject.active().specs] == ["nan:step=2"]
-    finally:
-        inject.uninstall()
+    config = Config.from_dict({"inject": ["nan:step=2", "nan:step=zero"]})
+    with pytest.raises(ConfigError, match="step"):
+        runtime.install(config)
+    assert hooks.get_monitor() is None and patching.installed_targets() == []
 
 
 # --- a drill with nothing to act on is refused, not silently idle (issue 25) ----------------------

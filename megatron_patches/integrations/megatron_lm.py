@@ -208,15 +208,11 @@ def _sample_positions(args: Any) -> list:
     return [start + m * mbs * dp + dp_rank * mbs + j for m in range(get_num_microbatches()) for j in range(mbs)]
 
 
-_session: Optional[MegatronLMSession] = None
-
-
 def session(monitor: Any) -> MegatronLMSession:
-    """This process's session for ``monitor`` (a new monitor gets a new session)."""
-    global _session
-    if _session is None or _session.monitor is not monitor:
-        _session = MegatronLMSession(monitor)
-    return _session
+    """The run's session, kept by its monitor (``monitor.loop_session``; a new monitor gets a new one)."""
+    if not isinstance(monitor.loop_session, MegatronLMSession):
+        monitor.loop_session = MegatronLMSession(monitor)
+    return monitor.loop_session
 
 
 # --- wrapt wrappers (registry targets under megatron.training) -----------------------------------

@@ -17,7 +17,6 @@ from typing import Any, Optional
 
 import torch
 
-from .. import inject
 from ..collectives import all_gather_floats
 from ..errors import UserError
 from .build import build_corpus, build_model, build_optimizer
@@ -90,7 +89,7 @@ class TinyTrainer:
         labels = batch["labels"].to(self.device)
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         output = model(tokens, positions, None, labels=labels)
-        poisoned = inject.active().poisoned(batch["samples"]) if self.monitor is not None else ()
+        poisoned = self.monitor.drills.poisoned(batch["samples"]) if self.monitor is not None else ()
         rows = [row for row, index in enumerate(batch["samples"]) if index in poisoned]
 
         def loss_func(per_token_loss):
