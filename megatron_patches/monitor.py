@@ -32,7 +32,7 @@ from .check import CheckStage, Verdict, resolve_overflow_mode
 from .collectives import PeerLost
 from .decide import Responder, exit_peer_lost
 from .config import Config
-from .errors import EXIT_USER_ERROR
+from .errors import exit_refused
 from .findings import local_findings
 from .incidents import Incident, Outcome
 from .integrations.mindspeed import undo_prepare_on_skip
@@ -207,7 +207,7 @@ class GradMonitor:
         if line is not None:
             if self.rank == 0:
                 log.error("%s", line)
-            raise SystemExit(EXIT_USER_ERROR)
+            exit_refused(self.rank)
 
     def before_direct_clip(self, optimizer: Any) -> None:
         """``clip_grad_norm`` called without ``prepare_grads`` first: check, zero bad grads."""

@@ -9,7 +9,7 @@ from typing import Optional
 
 from . import hooks, patching
 from .config import Config, load_config
-from .errors import EXIT_USER_ERROR, UserError
+from .errors import UserError, exit_refused
 from .monitor import GradMonitor
 
 log = logging.getLogger("megatron_patches")
@@ -54,9 +54,10 @@ def install_from_environment() -> Optional[GradMonitor]:
     try:
         return install()
     except UserError as error:
-        if int(os.environ.get("RANK", "0")) == 0:
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0:
             print(f"[megatron_patches] {error}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_USER_ERROR) from None
+        exit_refused(rank)
 
 
 def uninstall() -> None:

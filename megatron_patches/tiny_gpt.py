@@ -5,11 +5,11 @@ this entry keeps the documented command, its flags and its outputs where users, 
 scripts call them. ``--help`` lists the flags.
 """
 
-import sys
-
 from .testing.tiny_gpt import main, parse_args
 
 __all__ = ["main", "parse_args"]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .testing.process_end import run_then_end
+
+    run_then_end(main)

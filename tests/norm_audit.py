@@ -12,9 +12,9 @@ instead with the remaining arguments (``megatron_patches.testing.pretrain_cpu``:
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
-import runpy
 import sys
 
 import megatron.core.optimizer.optimizer as megatron_optimizer
@@ -66,18 +66,16 @@ def main() -> int:
     megatron_optimizer.get_grad_norm_fp32 = counted_get_grad_norm_fp32
     served_norm.take = audited_take
     sys.argv = [module, *args]
-    code = 0
     try:
-        runpy.run_module(module, run_name="__main__")
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        return importlib.import_module(module).main()  # both runners read sys.argv
     finally:
         rank = os.environ.get("RANK", "0")
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, f"norm_audit.rank{rank}.json"), "w", encoding="utf-8") as f:
             json.dump({"stock_calls": stock_calls, "served": served}, f)
-    return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_patches.testing.process_end import run_then_end
+
+    run_then_end(main)

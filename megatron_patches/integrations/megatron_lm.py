@@ -46,7 +46,7 @@ from .megatron_lm_checkpoints import (STATE_DIR, TRACKER_FILE, CheckpointMarks, 
                                       read_tracker, saved_lr_scale, state_file, warn0, write_marker)
 from .megatron_lm_rollback import (Rollback, built_model_facts, core_version, skip_iterations,
                                    switch_off_for_retry, to_iterations_to_skip)
-from ..errors import EXIT_USER_ERROR, UserError
+from ..errors import UserError, exit_refused
 from ..protocols import Guard
 
 __all__ = [
@@ -93,7 +93,7 @@ class MegatronLMSession:
             if collectives.rank() == 0:
                 log.error("recovery.keep_checkpoints is the tiny-GPT harness's retention; Megatron-LM's loop "
                           "keeps every checkpoint it saves and megatron_patches deletes none there: remove the key")
-            raise SystemExit(EXIT_USER_ERROR)
+            exit_refused(collectives.rank())
         _advise(args)
         self.root = args.save or args.load
         if self.root is None:
@@ -105,7 +105,7 @@ class MegatronLMSession:
         except UserError as error:  # a ledger nobody can apply: one line, every rank exits 2
             if collectives.rank() == 0:
                 log.error("%s", error)
-            raise SystemExit(EXIT_USER_ERROR) from None
+            exit_refused(collectives.rank())
         self.monitor.before_exit.append(self._finalize_saves)  # before the ledger and the exit
         self.rollback.before_load(args, optimizer)
 
@@ -191,7 +191,7 @@ def _refuse_unsupported(args: Any, optimizer: Any = None) -> None:
     except UnsupportedConfig as exc:
         if collectives.rank() == 0:
             log.error("%s", exc)
-        raise SystemExit(variants.EXIT_UNSUPPORTED) from None
+        exit_refused(collectives.rank())
 
 
 def _sample_positions(args: Any) -> list:

@@ -115,4 +115,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from megatron_patches.testing.process_end import run_then_end
+
+    run_then_end(main)

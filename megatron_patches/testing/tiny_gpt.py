@@ -236,4 +236,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .process_end import run_then_end
+
+    run_then_end(main)
