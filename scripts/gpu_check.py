@@ -7,8 +7,10 @@ torchrun for several ranks), bounded in time, its output kept in the results fol
 - ``environment``: torch, CUDA and NCCL versions, the device, whether Transformer Engine imports;
 - ``guard_on_off``: bf16, distributed optimizer, data parallel over every device (2 on CPU): the
   same run without and with the guard; the largest relative loss difference is measured, not judged;
-- ``drill_<kind>``: a NaN, an Inf and a x1e4 spike in one weight's gradient, and a NaN in rank 1's
-  own gradient before the reduction: each must be caught once, named, skipped, the run finishing;
+- ``drill_<kind>``: a NaN and an Inf in one weight's gradient (one run, steps 3 and 5), a x1e4
+  spike (a run of its own: a third incident within ``recur_window`` would be graded an error),
+  and a NaN in rank 1's own gradient before the reduction (two ranks): each must be caught once
+  at its step, named, skipped, the run finishing;
 - ``fp16_clean``: fp16 from Megatron's initial loss scale 2^32: no incident;
 - ``bench``: ``scripts/bench_overhead.py`` on the small and large sizes (device runs only).
 
@@ -29,9 +31,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 WEIGHT = "decoder.layers.1.mlp.linear_fc1.weight"
-DRILLS = {"nan": f"nan:step=5,param={WEIGHT}", "inf": f"inf:step=5,param={WEIGHT}",
-          "spike": f"spike:step=5,param={WEIGHT},factor=1e4",
-          "local_nan_rank1": f"nan:step=5,rank=1,phase=local,param={WEIGHT}"}
+DRILL_RUNS = [
+    ("drills", 1, {"drill_nan": f"nan:step=3,param={WEIGHT}", "drill_inf": f"inf:step=5,param={WEIGHT}"}),
+    ("drill_spike", 1, {"drill_spike": f"spike:step=5,param={WEIGHT},factor=1e4"}),
+    ("drill_local_nan_rank1", 2, {"drill_local_nan_rank1": f"nan:step=5,rank=1,phase=local,param={WEIGHT}"}),
+]
+"""(folder, ranks, {check: drill}). At most two drills a run, on steps apart: under the default
+grading each stays a warning, so each fault is judged on its own."""
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -98,14 +104,23 @@ def guard_on_off(run: Runner, steps: int) -> dict:
             "max_rel_loss_diff": max(diffs), "bit_identical": max(diffs) == 0.0, "steps": len(diffs)}
 
 
-def drill(run: Runner, kind: str, spec: str, steps: int) -> dict:
-    ranks = 2 if kind == "local_nan_rank1" else 1
-    code, result, found = run.harness(f"drill_{kind}", "--steps", str(steps), "--inject", spec, ranks=ranks)
-    named = [(r.get("step"), (r.get("first") or {}).get("name"), r.get("origin_ranks")) for r in found]
-    passed = code == 0 and result.get("params_finite") is True and len(found) == 1 and named[0][:2] == (5, WEIGHT)
-    if kind == "local_nan_rank1":
-        passed = passed and named[0][2] == [1]
-    return {"passed": passed, "exit": code, "incidents": named}
+def drill_run(run: Runner, folder: str, ranks: int, drills: dict, steps: int) -> dict:
+    """One run with ``drills``; a check per drill: one incident at its step naming the weight (and,
+    for a rank's own gradient, that rank as the origin), the run finishing with finite weights."""
+    flags = [flag for spec in drills.values() for flag in ("--inject", spec)]
+    code, result, found = run.harness(folder, "--steps", str(steps), *flags, ranks=ranks)
+    finished = code == 0 and result.get("params_finite") is True and len(found) == len(drills)
+    checks = {}
+    for name, spec in drills.items():
+        fields = dict(part.split("=", 1) for part in spec.split(":", 1)[1].split(","))
+        step = int(fields["step"])
+        named = [(r.get("step"), (r.get("first") or {}).get("name"), r.get("origin_ranks")) for r in found
+                 if r.get("step") == step]
+        passed = finished and len(named) == 1 and named[0][:2] == (step, WEIGHT)
+        if fields.get("phase") == "local":
+            passed = passed and named[0][2] == [int(fields["rank"])]
+        checks[name] = {"passed": passed, "exit": code, "incidents": named, "run": folder}
+    return checks
 
 
 def fp16_clean(run: Runner, steps: int) -> dict:
@@ -137,17 +152,20 @@ def main(argv: list[str] | None = None) -> int:
     run = Runner(out, max(2, info["devices"]), args.step_timeout, env)
     steps = 12 if args.dry_run else 40
     checks: dict = {"environment": {"passed": True, **info}}
-    plan = [("guard_on_off", lambda: guard_on_off(run, steps))]
-    plan += [(f"drill_{kind}", lambda kind=kind, spec=spec: drill(run, kind, spec, 8)) for kind, spec in DRILLS.items()]
-    plan += [("fp16_clean", lambda: fp16_clean(run, 40 if args.dry_run else 100))]
+    plan = [("guard_on_off", lambda: {"guard_on_off": guard_on_off(run, steps)})]
+    plan += [(folder, lambda f=folder, r=ranks, d=drills: drill_run(run, f, r, d, 8))
+             for folder, ranks, drills in DRILL_RUNS]
+    plan += [("fp16_clean", lambda: {"fp16_clean": fp16_clean(run, 40 if args.dry_run else 100)})]
     if not args.dry_run:
-        plan.append(("bench", lambda: bench(out, 3 * args.step_timeout, env)))
+        plan.append(("bench", lambda: {"bench": bench(out, 3 * args.step_timeout, env)}))
     for name, check in plan:
         started = time.monotonic()
         print(f"[gpu_check] {name} ...", flush=True)
-        checks[name] = {**check(), "seconds": round(time.monotonic() - started, 1)}
-        print(f"[gpu_check] {name}: {'PASS' if checks[name]['passed'] else 'FAIL'} "
-              f"({checks[name]['seconds']} s)", flush=True)
+        done = check()
+        seconds = round(time.monotonic() - started, 1)
+        for key, result in done.items():
+            checks[key] = {**result, "seconds": seconds}
+            print(f"[gpu_check] {key}: {'PASS' if result['passed'] else 'FAIL'} ({seconds} s)", flush=True)
     failed = [name for name, check in checks.items() if not check["passed"]]
     (out / "summary.json").write_text(json.dumps(checks, indent=1, default=str))
     lines = [f"{name}: {'PASS' if c['passed'] else 'FAIL'} " + json.dumps({k: v for k, v in c.items() if k != 'passed'},

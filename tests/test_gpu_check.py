@@ -27,7 +27,10 @@ def test_the_dry_run_passes_every_check_and_writes_its_summary(tmp_path):
     assert summary["drill_local_nan_rank1"]["incidents"] == [[5, "decoder.layers.1.mlp.linear_fc1.weight", [1]]]
     assert summary["guard_on_off"]["max_rel_loss_diff"] < 1e-3 and summary["fp16_clean"]["incidents"] == 0
     assert (tmp_path / "summary.txt").read_text().count("PASS") == 7
-    assert (tmp_path / "drill_nan" / "incidents.jsonl").exists()
+    assert (tmp_path / "drills" / "incidents.jsonl").exists()
+    assert [[i[:2] for i in summary[f"drill_{kind}"]["incidents"]] for kind in ("nan", "inf", "spike")] == [
+        [[3, "decoder.layers.1.mlp.linear_fc1.weight"]], [[5, "decoder.layers.1.mlp.linear_fc1.weight"]],
+        [[5, "decoder.layers.1.mlp.linear_fc1.weight"]]]
 
 
 def test_a_bad_timeout_is_one_line():

@@ -376,10 +376,13 @@ def test_persistent_fault_exits_84_and_the_launcher_resumes_from_the_healthy_che
     [dropout, overlap_grad_reduce], issue 27): Megatron's default dropout 0.1 and
     --overlap-grad-reduce in the first attempt; after the rollback the restarted job's args are
     switched off before its model is built, and the built model shows it: no dropout module or
-    layer with p > 0, DDP without overlap. The report says both beside the incident."""
+    layer with p > 0, DDP without overlap. The report says both beside the incident. With
+    --non-persistent-save-interval 1 a non-persistent iteration 3 (the skipped NaN step) is left,
+    which Megatron would load in preference to --ckpt-step: the restart loads iteration 2."""
     loop = make_loop(loop_kind, request, tmp_path, only="pretrain")  # hooks from the runtime wrappers
     save = tmp_path / "ckpt"
     first, second = rollback_run(loop, tmp_path, f"nan:step=3,count=2,param={FC1}", "--overlap-grad-reduce",
+                                 "--non-persistent-save-interval", "1", "--non-persistent-ckpt-type", "global",
                                  config={"recovery": {"disable_features": ["dropout", "overlap_grad_reduce"]}})
     # Iteration 3 skipped (warning), iteration 4 again: an error, so every rank stops with 84.
     assert first.count("stopping with exit code 84") == 2
@@ -389,7 +392,10 @@ def test_persistent_fault_exits_84_and_the_launcher_resumes_from_the_healthy_che
     assert incidents(tmp_path)[1]["severity"] == "error" and incidents(tmp_path)[1]["action"] == "rollback"
 
     # The restart loads iteration 2 (the newest healthy one), skips 3 and 4, trains 5 and 6 at half the lr.
+    assert (save / "non_persistent" / "iter_0000003").is_dir() or "non_persistent/iter_0000003" in first
+    assert "non-persistent (global) checkpoints are not loaded on this restart" in second
     assert re.search(r"successfully loaded checkpoint from .* at iteration\s+2\b", second), second[-4000:]
+    assert "resumed from healthy checkpoint iteration 2" in second
     resumed = iterations(second)
     assert sorted(resumed) == [5, 6]
     assert all("learning rate: 5.000000E-04" in line and "lm loss" in line for line in resumed.values())
@@ -835,21 +841,6 @@ def test_interleaved_pipeline_names_the_parameter_on_its_virtual_stage(loop_kind
     assert incident["first"]["name"] == name and incident["first"]["layer"] == 2
     assert incident["first"]["ranks"]["pp"] == 0 and incident["first"]["ranks"]["vpp"] == 1
     assert sorted(iterations(output)) == [1, 2, 3, 4, 5, 6]
-
-
-@pytest.mark.multiproc
-def test_rollback_loads_the_healthy_checkpoint_not_a_newer_non_persistent_one(loop_kind, request, tmp_path):
-    """--non-persistent-save-interval 1 leaves a non-persistent iteration 3 (the skipped NaN step)
-    that Megatron would load in preference to --ckpt-step; the rollback restart loads iteration 2."""
-    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
-    save = tmp_path / "ckpt"
-    first, second = rollback_run(loop, tmp_path, f"nan:step=3,count=2,param={FC1}",
-                                 "--non-persistent-save-interval", "1", "--non-persistent-ckpt-type", "global")
-    assert (save / "non_persistent" / "iter_0000003").is_dir() or "non_persistent/iter_0000003" in first
-    assert "non-persistent (global) checkpoints are not loaded on this restart" in second
-    assert re.search(r"successfully loaded checkpoint from .* at iteration\s+2\b", second), second[-4000:]
-    assert "resumed from healthy checkpoint iteration 2" in second
-    assert sorted(iterations(second)) == [5, 6]
 
 
 @pytest.mark.multiproc

@@ -1,8 +1,8 @@
 """scripts/megatron_patch.py against real Megatron sources.
 
 CI has no Megatron-LM checkout, but the megatron-core source distribution holds the real
-``megatron/core/optimizer/optimizer.py``: it is downloaded once with pip into pytest's cache and
-unpacked per test. Tests that need a Megatron-LM checkout (``pretrain_gpt.py``) read
+``megatron/core/optimizer/optimizer.py``: it is downloaded once from the package index into
+pytest's cache (shared by both CI legs) and unpacked per test. Tests that need a Megatron-LM checkout (``pretrain_gpt.py``) read
 ``MEGATRON_LM_DIR`` and never modify it: they patch a copy.
 """
 
@@ -35,21 +35,37 @@ def patch_cli(*args: str | Path) -> subprocess.CompletedProcess:
     )
 
 
+def download_sdist(path: Path, index: str = "https://pypi.org/simple") -> None:
+    """The megatron-core sdist from the index's JSON simple API (PEP 691), checked against its
+    sha256. ``pip download --no-binary`` would first build the package's metadata in an isolated
+    environment (about 60 s here) for a file this test only unpacks."""
+    import hashlib
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(f"{index}/megatron-core/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        [entry] = [f for f in json.load(answer)["files"] if f["filename"] == path.name]
+    with urllib.request.urlopen(entry["url"], timeout=120) as answer:
+        data = answer.read()
+    if hashlib.sha256(data).hexdigest() != entry["hashes"]["sha256"]:
+        raise OSError(f"{path.name}: sha256 differs from the index's")
+    partial = path.with_suffix(".part")
+    partial.write_bytes(data)
+    partial.replace(path)
+
+
 @pytest.fixture(scope="session")
 def sdist_archive(request) -> Path:
-    cache = request.config.cache.mkdir("megatron-core-sdist")
-    name = f"megatron_core-{SDIST_VERSION}.tar.gz"
-    if not (cache / name).exists():
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-             f"megatron-core=={SDIST_VERSION}", "-d", str(cache)],
-            capture_output=True, text=True, timeout=300,
-        )
-        if proc.returncode != 0 or not (cache / name).exists():
-            reason = f"could not download the megatron-core {SDIST_VERSION} sdist: {proc.stderr.strip()[-300:]}"
+    path = request.config.cache.mkdir("megatron-core-sdist") / f"megatron_core-{SDIST_VERSION}.tar.gz"
+    if not path.exists():
+        try:
+            download_sdist(path)
+        except (OSError, ValueError, KeyError) as error:  # urllib's errors are OSErrors
+            reason = f"could not download the megatron-core {SDIST_VERSION} sdist: {error}"
             print(reason)
             pytest.skip(reason)
-    return cache / name
+    return path
 
 
 @pytest.fixture
