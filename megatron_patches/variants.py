@@ -19,10 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .errors import EXIT_USER_ERROR, UnsupportedConfig
-
-EXIT_UNSUPPORTED = EXIT_USER_ERROR
-"""Exit code of a job refused at start (a usage error, like argparse's)."""
+from .errors import UnsupportedConfig
 
 
 def _unsupported(flag: str, why: str) -> UnsupportedConfig:
