@@ -183,10 +183,9 @@ class GradMonitor:
             return self._scaler_overflow(optimizer, step)
         self._loss_scale.clear()
         entries = self.stage.entries_for(optimizer)
-        drills = self.drills
-        if drills:
+        if self.drills:
             grads = [(e.info.name, e.info.order, g) for e, g in current_grads(optimizer, entries) if g is not None]
-            self.counters["injected"] += len(drills.apply(step, "grad", self.rank, grads))
+            self.counters["injected"] += len(self.drills.apply(step, "grad", self.rank, grads))
         if step % self.config.check_interval:
             return False
         return self._check(optimizer, entries, step)
@@ -196,8 +195,7 @@ class GradMonitor:
         whole job stops every rank with exit code 2 and one line (rank 0), rather than rehearse
         nothing and look like a miss."""
         self._drills_checked = True
-        drills = self.drills
-        chunks = self.model_chunks.chunks_for(optimizer)
+        drills, chunks = self.drills, self.model_chunks.chunks_for(optimizer)
         if not drills.specs or not chunks:  # no drills, or a model nobody registered: nothing to match
             return
         names = [info.name for info in locate.name_parameters(chunks).values()]
@@ -227,9 +225,8 @@ class GradMonitor:
         chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         step = self.upcoming_step()
         if not grad_sync.covers(chunks):
-            drills = self.drills
-            if drills:
-                self.counters["injected"] += len(drills.apply(step, "local", self.rank, named_grads(chunks)))
+            if self.drills:
+                self.counters["injected"] += len(self.drills.apply(step, "local", self.rank, named_grads(chunks)))
             if step % self.config.check_interval == 0:
                 self.origin.before_reduction(chunks)
         for detector in self.detectors:
