@@ -20,7 +20,7 @@ NPROC ?= 4
 MEGATRON ?=
 PYTEST_ARGS ?=
 
-.PHONY: install test test-all demo bench gpu-check patch unpatch patch-status clean
+.PHONY: install test test-fast test-all demo bench gpu-check patch unpatch patch-status clean
 
 # One stamp per megatron-core request: asking for another release installs it.
 STAMP := $(VENV)/.installed-$(or $(MEGATRON_CORE),newest)
@@ -38,10 +38,15 @@ $(STAMP): setup.py
 
 install: $(STAMP)
 
-# The CI suite: real tiny-GPT trainings on CPU (several ranks via torchrun), about 15 minutes.
-# On the 0.17+ lines it leaves out the tests marked one_line (see tests/conftest.py).
+# The CI suite: real tiny-GPT trainings on CPU (several ranks forked from pytest, or under
+# torchrun where the launcher is the subject). On the 0.17+ lines it leaves out the tests marked
+# one_line (see tests/conftest.py).
 test: install
 	$(VPY) -m pytest -q -m "not slow and not bench" $(PYTEST_ARGS) tests
+
+# Units and one-rank runs: no test of several ranks (marker multiproc), none slow.
+test-fast: install
+	$(VPY) -m pytest -q -m "not slow and not bench and not multiproc" $(PYTEST_ARGS) tests
 
 # Everything, the slow and benchmark-marked tests included.
 test-all: install

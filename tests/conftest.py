@@ -34,12 +34,18 @@ class Run:
 
 def run_tiny(out: Path, *args: str, nproc: int = 1, env: dict | None = None, timeout: int = 300,
              process: bool = False) -> Run:
-    """Train with the tiny-GPT harness: ``python -m megatron_patches.tiny_gpt`` under torchrun when
-    nproc > 1, or when ``env`` or ``process`` asks for a fresh process (a variable read at import,
-    a kill drill); one rank otherwise runs in a fork of the test process through the same ``main``
-    (:func:`run_tiny_forked`), which saves the 11 s of imports a fresh process costs."""
-    if nproc == 1 and env is None and not process:
-        return run_tiny_forked(out, *args, timeout=timeout)
+    """Train with the tiny-GPT harness. By default its ranks are children forked from this process
+    (:func:`run_forked`), torch, megatron-core and the guard already imported: a two-rank run costs
+    about 3 s instead of torchrun's 12 s of start-up, imports and teardown. With ``env`` (a variable
+    read at import) or ``process=True`` (what torchrun itself does is under test: its summary, its
+    ending of the other ranks) the ranks are fresh processes, ``python -m megatron_patches.tiny_gpt``
+    under torchrun when nproc > 1."""
+    if env is None and not process:
+        from megatron_patches.testing import tiny_gpt
+
+        code, output = run_forked(lambda: tiny_gpt.main(["--out", str(out), *args]), timeout=timeout,
+                                  nproc=nproc)
+        return Run(code, output, out)
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "megatron_patches.tiny_gpt"]
@@ -52,71 +58,152 @@ def run_tiny(out: Path, *args: str, nproc: int = 1, env: dict | None = None, tim
     return Run(proc.returncode, proc.stdout + proc.stderr, out)
 
 
-def run_tiny_forked(out: Path, *args: str, timeout: int = 300) -> Run:
-    """One rank of the harness, ``tiny_gpt.main``, in a fork of this process (:func:`run_forked`)."""
-    from megatron_patches.testing import tiny_gpt
+def run_forked(target, timeout: int = 300, nproc: int = 1) -> tuple[int, str]:
+    """Call ``target()`` (a training's main) in ``nproc`` children forked from this process, each a
+    rank of one world with the variables a launcher sets (RANK, WORLD_SIZE, MASTER_PORT, ...);
+    returns one exit code and the ranks' output, interleaved by line in one file as torchrun's is.
+    In each child, file descriptors 1 and 2 and Python's streams (the guard's log handler included)
+    go to that file, torch runs one intra-op thread as the subprocess runs do, and the child ends
+    with ``os._exit`` and target's return code (or a stop's). Whatever a run leaves (patches,
+    parallel groups, gloo threads, environment variables) dies with the children: the test process
+    stays as it was.
 
-    code, output = run_forked(lambda: tiny_gpt.main(["--out", str(out), *args]), timeout=timeout)
-    return Run(code, output, out)
-
-
-def run_forked(target, timeout: int = 300) -> tuple[int, str]:
-    """Call ``target()`` (a one-rank training's main) in a child forked from this process, torch,
-    megatron-core and the guard already imported; returns its exit code and its output. In the
-    child, file descriptors 1 and 2 and Python's streams (the guard's log handler included) go to
-    one file, torch runs one intra-op thread as the subprocess runs do, and the child ends with
-    ``os._exit`` and target's return code (or a stop's). Whatever a run leaves (patches, parallel
-    groups, gloo threads, environment variables) dies with the child: the test process stays as
-    it was. After ``timeout`` seconds the child is killed (exit -9)."""
+    As torchrun does, the first rank to exit non-zero ends the others (SIGTERM, SIGKILL 5 s later);
+    unlike torchrun, the code returned is that rank's own (0 when every rank ended with 0), and a
+    line ``[run_forked] rank R exited N`` per failed rank closes the output. After ``timeout``
+    seconds every child left is killed (exit -9)."""
     import signal
+    import socket
     import tempfile
     import time
 
     import torch
 
+    _import_what_the_harness_imports()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     log_fd, log_path = tempfile.mkstemp(prefix="forked_run.", suffix=".log")
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        code = 1
-        try:
-            os.dup2(log_fd, 1)
-            os.dup2(log_fd, 2)
-            sys.stdout = open(1, "w", buffering=1, closefd=False)
-            sys.stderr = open(2, "w", buffering=1, closefd=False)
-            for handler in logging.getLogger("megatron_patches").handlers:
-                if type(handler) is logging.StreamHandler:
-                    handler.setStream(sys.stderr)
-            os.environ.pop("MEGATRON_PATCHES_CONFIG", None)
-            torch.set_num_threads(1)
+    pids = {}
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:  # a child: never returns into pytest
+            code = 1
             try:
-                code = target()
-            except SystemExit as stop:
-                code = stop.code if isinstance(stop.code, int) else 1
-        except BaseException:
-            import traceback
+                os.dup2(log_fd, 1)
+                os.dup2(log_fd, 2)
+                sys.stdout = open(1, "w", buffering=1, closefd=False)
+                sys.stderr = open(2, "w", buffering=1, closefd=False)
+                root = logging.getLogger()  # as a fresh process has it: pytest's capture handlers out
+                for handler in list(root.handlers):
+                    root.removeHandler(handler)
+                root.setLevel(logging.WARNING)
+                for handler in logging.getLogger("megatron_patches").handlers:
+                    if type(handler) is logging.StreamHandler:
+                        handler.setStream(sys.stderr)
+                os.environ.pop("MEGATRON_PATCHES_CONFIG", None)
+                if nproc > 1:
+                    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                torch.set_num_threads(1)
+                try:
+                    code = target()
+                except SystemExit as stop:
+                    code = stop.code if isinstance(stop.code, int) else 1
+            except BaseException:
+                import traceback
 
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code if isinstance(code, int) and 0 <= code < 256 else 1)
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code if isinstance(code, int) and 0 <= code < 256 else 1)
+        pids[pid] = rank
     os.close(log_fd)
+    codes: dict[int, int] = {}
+    first_failure = None
     deadline = time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            code = os.waitstatus_to_exitcode(status)
+    kill_at = None
+    while len(codes) < nproc:
+        for pid, rank in pids.items():
+            if rank in codes:
+                continue
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[rank] = os.waitstatus_to_exitcode(status)
+                if codes[rank] != 0 and first_failure is None:
+                    first_failure = rank
+                    for other, other_rank in pids.items():
+                        if other_rank not in codes:
+                            os.kill(other, signal.SIGTERM)
+                    kill_at = time.monotonic() + 5
+        now = time.monotonic()
+        if now > deadline or (kill_at is not None and now > kill_at):
+            for pid, rank in pids.items():
+                if rank not in codes:
+                    os.kill(pid, signal.SIGKILL)
+                    codes[rank] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+                    if first_failure is None:
+                        first_failure = rank
             break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-            break
-        time.sleep(0.05)
+        time.sleep(0.02)
     output = Path(log_path).read_text(errors="replace")
     os.unlink(log_path)
-    return code, output
+    if nproc > 1:
+        output += "".join(f"[run_forked] rank {rank} exited {code}\n" for rank, code in sorted(codes.items()) if code)
+    return (0 if first_failure is None else codes[first_failure]), output
+
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_packaged_loop(env: dict, args: list[str], nproc: int = 2, timeout: int = 600) -> tuple[int, str]:
+    """Megatron-LM's packaged loop (megatron-core 0.17+) as ``torchrun --nproc-per-node NPROC -m
+    megatron_patches.testing.pretrain_cpu ARGS`` would run it under ``env`` from the repository
+    root, its ranks forked from this process (:func:`run_forked`); ``--no-guard`` among ``args``
+    leaves the guard out as the runner does. Returns the exit code and the ranks' output."""
+    import megatron_patches.testing.gpt_loop  # noqa: F401  (megatron.training: imported once, here)
+
+    return run_forked(lambda: _packaged_loop_rank(env, args), timeout=timeout, nproc=nproc)
+
+
+def _packaged_loop_rank(env: dict, args: list[str]) -> None:
+    """One forked rank of the packaged loop: the environment replaced (the launcher's variables
+    kept), the guard's opt-in line imported afresh, and the process ended as the runner ends it
+    (atexit run, no teardown)."""
+    import warnings
+
+    from megatron_patches.testing import pretrain_cpu
+    from megatron_patches.testing.process_end import run_then_end
+
+    launch = {key: os.environ[key] for key in LAUNCH_VARIABLES if key in os.environ}
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(launch)
+    if env.get("PYTHONWARNINGS") == "ignore":
+        warnings.simplefilter("ignore")
+    os.chdir(REPO)
+    sys.modules.pop("megatron_patches.apply", None)
+    sys.argv = [pretrain_cpu.__file__, *args]
+    run_then_end(lambda: pretrain_cpu.main(args))
+
+
+def _import_what_the_harness_imports() -> None:
+    """Import, once in this process, the modules a harness rank imports as it builds and trains,
+    so each forked rank starts with them (about 1 s less per run). Importing installs nothing."""
+    import importlib
+
+    for name in ("megatron.core.distributed", "megatron.core.models.gpt.gpt_model",
+                 "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.optimizer",
+                 "megatron.core.optimizer_param_scheduler", "megatron.core.pipeline_parallel",
+                 "megatron.core.tensor_parallel.random", "megatron_patches.testing.trainer",
+                 "megatron_patches.testing.cpu", "megatron_patches.runtime", "megatron_patches.recovery",
+                 "megatron_patches.checkpoint"):
+        importlib.import_module(name)
 
 
 def assert_trained(run: Run, min_drop: float = 0.5) -> dict:

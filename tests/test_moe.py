@@ -24,6 +24,7 @@ from megatron_patches.incident_text import diagnosis, expert_text
 from megatron_patches.incidents import ParamFinding
 
 from megatron_patches.recovery import Ledger
+from conftest import run_packaged_loop
 from test_megatron_lm import (REPO, TINY, Loop, _packaged_loop_available, guard_env, incidents, iterations,
                               report_text, rollback_run)
 
@@ -158,8 +159,12 @@ def moe_run(tmp_path: Path, *extra: str, drill: str | None = None, nproc: int = 
     env = guard_env(tmp_path, **({"inject": [drill]} if drill else {}), **config)
     if tensor_parallel:
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    if not prefix:  # the ranks forked from this process, output all in stdout
+        code, output = run_packaged_loop(env, [*TINY, *MOE, *extra], nproc=nproc)
+        assert code == 0, output[-6000:]
+        return subprocess.CompletedProcess(["pretrain_cpu", *extra], code, output, "")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               *(prefix or ("-m", "megatron_patches.testing.pretrain_cpu")), *TINY, *MOE, *extra]
+               *prefix, *TINY, *MOE, *extra]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return proc

@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import Run, assert_trained, run_forked
+from conftest import Run, assert_trained, run_forked, run_packaged_loop
 from megatron_patches.testing.pretrain_cpu import TINY_GPT_ARGS
 from test_megatron_lm import REPO, _packaged_loop_available
 
@@ -34,21 +33,13 @@ def run_audited(out: Path, *args: str, nproc: int = 1, config: str | None = SERV
         out.mkdir(parents=True, exist_ok=True)
         (out / "guard.yaml").write_text(config)
         args = (*args, "--config", str(out / "guard.yaml"))
-    if nproc == 1:  # in a fork of this process (conftest.run_forked): no start-up
-        def audit() -> int:
-            import norm_audit
+    def audit() -> int:  # each rank in a fork of this process (conftest.run_forked): no start-up
+        import norm_audit
 
-            sys.argv = [str(AUDIT), "--out", str(out), *args]
-            return norm_audit.main()
+        sys.argv = [str(AUDIT), "--out", str(out), *args]
+        return norm_audit.main()
 
-        run = Run(*run_forked(audit), out)
-    else:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        env.pop("MEGATRON_PATCHES_CONFIG", None)
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               f"--nproc-per-node={nproc}", str(AUDIT), "--out", str(out), *args],
-                              capture_output=True, text=True, env=env, timeout=300)
-        run = Run(proc.returncode, proc.stdout + proc.stderr, out)
+    run = Run(*run_forked(audit, nproc=nproc), out)
     result = assert_trained(run, min_drop=min_drop)
     audits = [json.loads((out / f"norm_audit.rank{r}.json").read_text()) for r in range(nproc)]
     return result, audits
@@ -136,12 +127,9 @@ def test_a_guarded_megatron_lm_run_equals_an_unguarded_one_bit_for_bit(tmp_path,
            "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     lines, outputs = {}, {}
     for mode in ((), ("--no-guard",)):
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                   "-m", "megatron_patches.testing.pretrain_cpu", *TINY_GPT_ARGS, "--train-iters", "20",
-                   *layout, *mode]
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-        outputs[mode], lines[mode] = proc.stdout + proc.stderr, ITERATION.findall(proc.stdout)
+        code, output = run_packaged_loop(env, [*TINY_GPT_ARGS, "--train-iters", "20", *layout, *mode])
+        assert code == 0, output[-4000:]
+        outputs[mode], lines[mode] = output, ITERATION.findall(output)
     assert "[megatron_patches] guarding megatron-core" in outputs[()]
     assert "[megatron_patches]" not in outputs[("--no-guard",)]
     assert len(lines[()]) == 20 and lines[()] == lines[("--no-guard",)], lines
