@@ -340,6 +340,21 @@ class ExitAndRestart:
             return decision.escalated("the ledger could not be written")
         return decision
 
+    def megatron_exit(self, step: int, code: int, state: str, fired: list[str]) -> None:
+        """Megatron ends the job itself (its rerun machine's exit ``code`` from ``state``) at
+        ``step``: an event of its own in the ledger (``megatron_exit``, not ``exit``: it is no
+        rollback and counts against no budget), and the drills that fired on any rank
+        (``fired``) are spent, as at a rollback, so the restart Megatron asks for does not
+        rehearse them again. A ledger that cannot be written costs only the event: Megatron's
+        exit goes ahead."""
+        self.ledger.events.append({"step": step, "megatron_exit": code, "state": state})
+        self.ledger.spent_injections = sorted(set(self.ledger.spent_injections) | set(fired))
+        if self.monitor.rank == 0:
+            try:
+                self.ledger.save(self.checkpoint_root)
+            except OSError as error:
+                log.warning("the ledger could not record Megatron's exit %d (%s)", code, error)
+
     def resumed(self, event: dict) -> None:
         """The restart resumed as the ledger asked: the request is done (rank 0 writes it)."""
         self.ledger.rollback_requested = None

@@ -934,12 +934,28 @@ def test_stock_flags_loss_nan_on_one_rank_is_the_guards_incident_with_megatrons_
 @pytest.mark.multiproc
 def test_loss_nan_on_a_step_the_guard_does_not_check_is_left_to_megatron(loop_kind, request, tmp_path):
     """check_interval 5: iteration 4 is not checked, so Megatron's loss check acts as without the
-    guard (reproducible: a checkpoint and exit 16) and the guard records nothing."""
+    guard (reproducible: a checkpoint and exit 16) and the guard records no incident; Megatron's
+    exit goes into the ledger with the drill spent. The restart Megatron asks for loads its
+    checkpoint with the guard's state; on the same machine Megatron's machine wants another node
+    and exits 16 again (measured: restarts there loop on its checkpoint), and the ledger counts
+    each exit."""
     loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
     save = tmp_path / "ckpt"
-    proc = loop.run(guard_env(tmp_path, inject=[FORWARD_NAN], check_interval=5),
-                    "--save", str(save), "--save-interval", "100", *loop.checkpoint_format())
+    env = guard_env(tmp_path, inject=[FORWARD_NAN], check_interval=5)
+    proc = loop.run(env, "--save", str(save), "--save-interval", "100", *loop.checkpoint_format())
     output = proc.stdout + proc.stderr
     assert proc.returncode == 16, output[-4000:]
     assert "Saving a checkpoint and exiting now" in output
     assert incidents(tmp_path) == []
+    ledger = Ledger.load(str(save))
+    assert ledger.events == [{"step": 4, "megatron_exit": 16, "state": "WILL_RERUN_FROM_CHECKPOINT"}], ledger.events
+    assert ledger.rollbacks == 0 and ledger.spent_injections == [FORWARD_NAN]
+
+    again = loop.run(env, "--save", str(save), "--load", str(save), "--save-interval", "100",
+                     *loop.checkpoint_format())
+    output = again.stdout + again.stderr
+    assert again.returncode == 16, output[-4000:]
+    assert "guard state of iteration 3 restored" in output
+    assert "Got rescheduled on the same GPU. Need to resume again from the same checkpoint" in output
+    assert iterations(output) == {} and incidents(tmp_path) == []
+    assert [e["megatron_exit"] for e in Ledger.load(str(save)).events] == [16, 16]

@@ -131,6 +131,20 @@ class MegatronLMSession:
                                consumed_train_samples=int(args.consumed_train_samples))
         self._checked_before = self.monitor.counters["checked_steps"]
 
+    def megatron_exits(self, code: int, state: str) -> None:
+        """Megatron's rerun machine ends the job itself with ``code`` (16: resume from the
+        checkpoint it saves now to tell a transient fault from a persistent one; 17: a result
+        failed its validation), from ``state``: the ledger records it (rank 0), so a restart and
+        whoever reads the ledger know this exit was Megatron's, not a guard decision. Every rank
+        gets here with the same answer (Megatron's machine agrees on it across ranks), so the
+        drills that fired anywhere are gathered to rank 0 for the ledger."""
+        fired = collectives.gather_to_zero(self.monitor.drills.fired_specs())
+        if self.restart is None:
+            warn0("Megatron's rerun machine exits with %d (%s) at iteration %d; no --save/--load, so "
+                  "no ledger records it", code, state, self.monitor.step)
+            return
+        self.restart.megatron_exit(self.monitor.step, code, state, sorted({s for specs in fired for s in specs}))
+
     def after_step(self) -> None:
         from megatron.training import get_args
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
@@ -262,6 +276,18 @@ def train_step_wrapper(wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
     current.after_step()
     return result
+
+
+def should_checkpoint_and_exit_wrapper(wrapped, instance, args, kwargs):
+    """``RerunStateMachine.should_checkpoint_and_exit()``, asked by Megatron-LM's ``train_step``:
+    when the answer is to end the job (exits 16 and 17), the session writes that into the ledger
+    before Megatron saves and exits."""
+    state = getattr(getattr(instance, "state", None), "name", "unknown state")
+    answer = wrapped(*args, **kwargs)
+    monitor = hooks.get_monitor()
+    if monitor is not None and answer[1] and answer[2]:
+        session(monitor).megatron_exits(int(answer[2]), state)
+    return answer
 
 
 def save_checkpoint_wrapper(wrapped, instance, args, kwargs):

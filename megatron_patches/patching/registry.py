@@ -143,6 +143,14 @@ TARGETS: tuple[PatchTarget, ...] = (
         "watches that rerun's forward pass for the first non-finite module output "
         "(megatron_patches.megatron_rerun, forward_origin).",
     ),
+    PatchTarget(
+        "megatron.core.rerun_state_machine",
+        "RerunStateMachine.should_checkpoint_and_exit",
+        "megatron_patches.integrations.megatron_lm.should_checkpoint_and_exit_wrapper",
+        "Where Megatron's rerun machine decides to end the job itself (exit 16: resume from its "
+        "checkpoint to disambiguate; 17: validation failed), on steps the guard does not own: the "
+        "exit goes into the rollback ledger (megatron_patches.integrations.megatron_lm).",
+    ),
 )
 
 _TRAINING = "megatron.training.training"
