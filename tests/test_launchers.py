@@ -51,3 +51,89 @@ def test_ft_launcher_restarts_the_job_after_a_rollback_and_it_resumes_from_the_h
     ledger = Ledger.load(str(save))
     assert ledger.rollbacks == 1 and ledger.events[1]["resumed_from"] == 2
     assert Path(save / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+
+
+# --- Slurm: scripts/slurm/guarded.sbatch under a stand-in scheduler (no Slurm here) ----------------
+
+SBATCH = REPO / "scripts" / "slurm" / "guarded.sbatch"
+
+STANDIN_SRUN = """#!/bin/sh
+# Stand-in for Slurm's srun (no Slurm here): drops srun's own options, runs the one task here.
+while [ $# -gt 0 ]; do case "$1" in --*) shift ;; *) break ;; esac; done
+exec "$@"
+"""
+
+STANDIN_SCONTROL = """#!/bin/sh
+# Stand-in for Slurm's scontrol (no Slurm here): 'scontrol requeue JOB' is noted for the stand-in scheduler.
+[ "$1" = requeue ] && echo "$2" >> "$SLURM_STANDIN_REQUEUES"
+"""
+
+
+def slurm_standin(tmp_path: Path, command: list[str], env: dict, max_requeues: int = 3) -> list[str]:
+    """Stand-in for the Slurm scheduler (no Slurm here): runs the batch script with bash as a
+    batch job would, the training command as its arguments, and runs it again, with
+    SLURM_RESTART_COUNT one higher, each time the script asked for ``scontrol requeue``. Returns
+    each run's output; the last one's exit code is appended as ``[standin] exit N``."""
+    tools = tmp_path / "standin-bin"
+    tools.mkdir()
+    for name, text in (("srun", STANDIN_SRUN), ("scontrol", STANDIN_SCONTROL)):
+        (tools / name).write_text(text)
+        (tools / name).chmod(0o755)
+    requeues = tmp_path / "requeues"
+    outputs = []
+    for restart in range(max_requeues + 2):
+        job_env = {**env, "PATH": f"{tools}:{env['PATH']}", "SLURM_JOB_ID": "4242", "MEGATRON_PATCHES_DIR": str(REPO),
+                   "MAX_REQUEUES": str(max_requeues), "SLURM_STANDIN_REQUEUES": str(requeues),
+                   **({"SLURM_RESTART_COUNT": str(restart)} if restart else {})}
+        asked = len(requeues.read_text().split()) if requeues.exists() else 0
+        proc = subprocess.run(["bash", str(SBATCH), *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=600, cwd=REPO, env=job_env)
+        outputs.append(proc.stdout)
+        if (len(requeues.read_text().split()) if requeues.exists() else 0) == asked:
+            outputs[-1] += f"[standin] exit {proc.returncode}\n"
+            return outputs
+    raise AssertionError(f"still requeued after {max_requeues + 2} runs")
+
+
+def torchrun_loop(save: Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+            "-m", "megatron_patches.testing.pretrain_cpu", *TINY_GPT_ARGS, "--train-iters", "6",
+            "--save", str(save), "--load", str(save), "--save-interval", "2"]
+
+
+needs_packaged_loop = pytest.mark.skipif(not _packaged_loop_available(),
+                                         reason="megatron-core ships megatron/training from 0.17 on")
+
+
+@pytest.mark.multiproc
+@needs_packaged_loop
+def test_slurm_requeues_a_rollback_and_the_job_resumes_from_the_healthy_checkpoint_standin(tmp_path):
+    """guarded.sbatch around torchrun and Megatron-LM's packaged loop, under the stand-in
+    scheduler: a persistent NaN makes the job ask for a rollback at iteration 4; torchrun exits 1,
+    restart_on_rollback.py reads the ledger and exits 84, the script requeues the job; the requeued
+    job loads iteration 2, skips 3-4, trains 5-6 at half the learning rate and ends with 0."""
+    save = tmp_path / "ckpt"
+    env = guard_env(tmp_path, inject=[f"nan:step=3,count=2,param={FC1}"])
+    first, second = slurm_standin(tmp_path, torchrun_loop(save), env)
+    assert "restart budget of 0 is spent; stopping with 84" in first, first[-4000:]
+    assert "[guarded.sbatch] rollback asked (exit 84): requeueing job 4242 (restart 1 of 3)" in first
+    assert second.endswith("[standin] exit 0\n"), second[-4000:]
+    assert sorted(iterations(second)) == [5, 6]
+    assert all("learning rate: 5.000000E-04" in line for line in iterations(second).values())
+    ledger = Ledger.load(str(save))
+    assert ledger.rollbacks == 1 and ledger.events[1]["resumed_from"] == 2
+
+
+@pytest.mark.multiproc
+@needs_packaged_loop
+def test_slurm_never_requeues_a_critical_stop_standin(tmp_path):
+    """The same script and stand-in scheduler; a NaN on both data-parallel replicas at iteration 3
+    is critical: the workers exit 86, torchrun 1, nothing in the ledger asks for a rollback, so
+    the job is not requeued and ends with torchrun's 1."""
+    save = tmp_path / "ckpt"
+    env = guard_env(tmp_path, inject=[f"nan:step=3,rank=0,phase=local,param={FC1}",
+                                      f"nan:step=3,rank=1,phase=local,param={FC1}"])
+    [only] = slurm_standin(tmp_path, torchrun_loop(save), env)
+    assert only.endswith("[standin] exit 1\n") and "exitcode  : 86" in only, only[-4000:]
+    assert not (tmp_path / "requeues").exists() and "[guarded.sbatch]" not in only
+    assert [i["severity"] for i in incidents(tmp_path)] == ["critical"]
