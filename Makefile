@@ -44,9 +44,10 @@ install: $(STAMP)
 test: install
 	$(VPY) -m pytest -q -m "not slow and not bench" $(PYTEST_ARGS) tests
 
-# Units and one-rank runs: no test of several ranks (marker multiproc), none slow.
+# Units and one-rank runs forked from pytest: no test of several ranks (multiproc) or of a fresh
+# process (process), none slow; under 3 minutes on the 3.11 leg here.
 test-fast: install
-	$(VPY) -m pytest -q -m "not slow and not bench and not multiproc" $(PYTEST_ARGS) tests
+	$(VPY) -m pytest -q -m "not slow and not bench and not multiproc and not process" $(PYTEST_ARGS) tests
 
 # Everything, the slow and benchmark-marked tests included.
 test-all: install

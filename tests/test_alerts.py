@@ -291,6 +291,7 @@ def test_close_is_capped_and_a_lost_alert_is_logged(tmp_path, caplog):
     assert "/hook" not in caplog.text
 
 
+@pytest.mark.process
 def test_the_alert_of_a_stopping_exit_leaves(tmp_path):
     # A real run stops on its first error (exit 85). The webhook answers after 11 s, inside its
     # 13 s timeout but past the 10 s the exit used to wait: the alert must still arrive.

@@ -219,6 +219,7 @@ def import_patched_optimizer(tree: Path, hide: bool) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.process
 @needs_git
 def test_patched_optimizer_imports_unchanged_without_megatron_patches(sdist_tree):
     assert patch_cli("apply", "--megatron", sdist_tree, "--only", "optimizer").returncode == 0
@@ -229,6 +230,7 @@ def test_patched_optimizer_imports_unchanged_without_megatron_patches(sdist_tree
     assert seen["clip_grad_norm_hooked"] is False
 
 
+@pytest.mark.process
 @needs_git
 def test_patched_optimizer_calls_the_hooks_when_megatron_patches_is_installed(sdist_tree):
     pytest.importorskip("megatron_patches.hooks")

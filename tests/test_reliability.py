@@ -242,6 +242,7 @@ def _rank_lines(proc) -> str:
     return proc.stdout[-3000:]
 
 
+@pytest.mark.multiproc
 def test_a_rank_killed_mid_incident_ends_the_others_with_87_within_the_bound(tmp_path):
     """Rank 1 dies by SIGKILL after the NaN at step 3 was found and before the ranks agreed on
     a decision (the `kill` drill). Plain processes, no torchrun: nothing tears the job down for
@@ -281,6 +282,7 @@ os._exit(1)
 """
 
 
+@pytest.mark.multiproc
 def test_a_silent_peer_is_lost_after_peer_timeout_s(tmp_path):
     """A peer that is alive but never answers (hung, stopped): the guard's gather gives up after
     its timeout with PeerLost, on real gloo, two processes."""
@@ -314,6 +316,7 @@ if os.environ.get("RANK") == "0":
 """
 
 
+@pytest.mark.multiproc
 def test_an_error_on_rank_zero_while_deciding_is_broadcast_as_a_stop(tmp_path):
     """Rank 0 raises between the gather and the broadcast (a planted bug: the only fake here,
     put in through sitecustomize). The other rank must not wait in the broadcast: both stop
@@ -396,6 +399,7 @@ checkpoint.write_json_atomic = write_json_atomic
 """
 
 
+@pytest.mark.multiproc
 def test_a_checkpoint_that_cannot_be_marked_is_no_rollback_target_and_training_goes_on(tmp_path):
     """The marker of the step-4 checkpoint fails to write on rank 0 (a planted ENOSPC, through
     sitecustomize: the only fake). Before, rank 0 raised inside save_checkpoint while rank 1
