@@ -15,7 +15,7 @@ import pytest
 
 from conftest import Run, assert_trained, run_forked, run_packaged_loop
 from megatron_patches.testing.pretrain_cpu import TINY_GPT_ARGS
-from test_megatron_lm import REPO, _packaged_loop_available
+from test_megatron_lm import _packaged_loop_available
 
 AUDIT = Path(__file__).with_name("norm_audit.py")
 ITERATION = re.compile(r"iteration\s+(\d+)/.*?(lm loss: \S+).*?(grad norm: \S+)")
