@@ -18,8 +18,8 @@ learning rate (``megatron_patches.integrations.megatron_lm_rollback``). A rollba
 Anything else (success, a stop with 85 or 86, a crash) ends this script with the command's
 status. A rollback once the restart budget is spent ends it with the rollback's code (84 also
 when torchrun reported 1): ``--max-restarts 0`` runs the command once and tells a scheduler that
-restarts by exit code whether to (``scripts/slurm/guarded.sbatch``). The ledger's directory is ``--checkpoint-dir``, else the command's ``--save`` (or
-``--load``) argument.
+restarts by exit code whether to (``scripts/slurm/guarded.sbatch``). The ledger's directory is
+``--checkpoint-dir``, else the command's ``--save`` (or ``--load``) argument.
 """
 
 from __future__ import annotations
@@ -149,10 +149,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"; ledger: rollback {after.get('rollbacks')} requested at iteration "
             f"{requested.get('iteration', requested.get('from_step'))}, lr scale {after.get('lr_scale')}, "
             f"skipping iterations {requested.get('skip_iterations', [])}" if ledger_says else "")
-        if restarts >= options.max_restarts:  # the rollback's own code, not torchrun's 1
+        if restarts >= options.max_restarts:
+            ending = code if code in options.codes else EXIT_ROLLBACK  # the rollback's own, not torchrun's 1
             say(f"attempt {restarts + 1}: rollback ({why}) but the restart budget of "
-                f"{options.max_restarts} is spent; stopping with {code if code in options.codes else EXIT_ROLLBACK}")
-            return code if code in options.codes else EXIT_ROLLBACK
+                f"{options.max_restarts} is spent; stopping with {ending}")
+            return ending
         restarts += 1
         say(f"attempt {restarts}: rollback ({why}, {took}); restarting ({restarts} of {options.max_restarts})")
 

@@ -73,16 +73,13 @@ def run_forked(target, timeout: int = 300, nproc: int = 1) -> tuple[int, str]:
     line ``[run_forked] rank R exited N`` per failed rank closes the output. After ``timeout``
     seconds every child left is killed (exit -9)."""
     import signal
-    import socket
     import tempfile
     import time
 
     import torch
 
     _import_what_the_harness_imports()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log_fd, log_path = tempfile.mkstemp(prefix="forked_run.", suffix=".log")
     sys.stdout.flush()
     sys.stderr.flush()
@@ -105,8 +102,7 @@ def run_forked(target, timeout: int = 300, nproc: int = 1) -> tuple[int, str]:
                         handler.setStream(sys.stderr)
                 os.environ.pop("MEGATRON_PATCHES_CONFIG", None)
                 if nproc > 1:
-                    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                    os.environ.update(launch_variables(rank, nproc, port))
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 torch.set_num_threads(1)
                 try:
@@ -159,6 +155,20 @@ def run_forked(target, timeout: int = 300, nproc: int = 1) -> tuple[int, str]:
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launch_variables(rank: int, nproc: int, port: int) -> dict[str, str]:
+    """What a launcher sets for ``rank`` of a one-node world of ``nproc`` (LAUNCH_VARIABLES)."""
+    return dict(zip(LAUNCH_VARIABLES, map(str, (rank, rank, nproc, nproc, "127.0.0.1", port))))
+
+
+def free_port() -> int:
+    """A TCP port nothing on this machine listens on now (for rank 0's store)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def run_packaged_loop(env: dict, args: list[str], nproc: int = 2, timeout: int = 600) -> tuple[int, str]:

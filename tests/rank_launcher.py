@@ -4,21 +4,19 @@ rank's own exit code: torchrun folds them into one."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
+
+from conftest import free_port, launch_variables
 
 
 def run_ranks(nproc: int, args: list[str], timeout: int = 300,
               extra_env: dict | None = None) -> list[subprocess.CompletedProcess]:
     """Run the ranks to the end; ``extra_env`` is added to every rank's environment."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for rank in range(nproc):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        env = {**os.environ, **launch_variables(rank, nproc, port),
                "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(extra_env or {})}
         env.pop("MEGATRON_PATCHES_CONFIG", None)
         procs.append(subprocess.Popen([sys.executable, "-m", "megatron_patches.tiny_gpt", *args], env=env,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_packaged_loop
+from conftest import REPO, run_packaged_loop
 from megatron_patches.testing.pretrain_cpu import TINY_GPT_ARGS
 
 from megatron_patches import checkpoint, megatron_rerun
@@ -30,7 +30,6 @@ from megatron_patches.report import diagnosis
 from megatron_patches.integrations import megatron_lm
 from megatron_patches.recovery import LEDGER_FILE, Ledger
 
-REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = REPO / "scripts" / "restart_on_rollback.py"
 PATCH_CLI = REPO / "scripts" / "megatron_patch.py"
 FC1 = "decoder.layers.1.mlp.linear_fc1.weight"

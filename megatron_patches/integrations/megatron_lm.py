@@ -137,12 +137,13 @@ class MegatronLMSession:
         failed its validation), from ``state``: the ledger records it (rank 0), so a restart and
         whoever reads the ledger know this exit was Megatron's, not a guard decision. Every rank
         gets here with the same answer (Megatron's machine agrees on it across ranks), so the
-        drills that fired anywhere are gathered to rank 0 for the ledger."""
-        fired = collectives.gather_to_zero(self.monitor.drills.fired_specs())
+        drills that fired anywhere are gathered to rank 0 for the ledger (where there is one:
+        --save/--load are the same on every rank)."""
         if self.restart is None:
             warn0("Megatron's rerun machine exits with %d (%s) at iteration %d; no --save/--load, so "
                   "no ledger records it", code, state, self.monitor.step)
             return
+        fired = collectives.gather_to_zero(self.monitor.drills.fired_specs())
         self.restart.megatron_exit(self.monitor.step, code, state, sorted({s for specs in fired for s in specs}))
 
     def after_step(self) -> None:
