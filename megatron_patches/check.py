@@ -19,8 +19,8 @@ import torch
 
 from .collectives import BoundedGroup, collective_device
 from .detectors import CheckContext
-from .locate import slot_names
-from .optimizer_params import Entry, build_entries, current_grads
+from .naming import slot_names
+from .protocols import Seams
 
 log = logging.getLogger("megatron_patches")
 
@@ -44,7 +44,7 @@ class Verdict:
     reduced: dict
     """Each detector's world-wide slots, by name."""
     layer_sq: list
-    """World-wide per-layer sums of squares (slot order, :func:`~megatron_patches.locate.slot_names`)."""
+    """World-wide per-layer sums of squares (slot order, :func:`~megatron_patches.naming.slot_names`)."""
     flagged: bool
 
     @property
@@ -55,22 +55,24 @@ class Verdict:
 class CheckStage:
     """Builds and reduces the vector for the optimizers it is given; caches per optimizer."""
 
-    def __init__(self, config: Any, detectors: list, peers: BoundedGroup, model_chunks: Any):
+    def __init__(self, config: Any, detectors: list, peers: BoundedGroup, model_chunks: Any, seams: Seams):
         """``peers``: the guard's bounded group, made at the first check; ``model_chunks``: the
-        run's :class:`~megatron_patches.model_chunks.ModelChunks` (parameter names)."""
+        run's :class:`~megatron_patches.seams.model_chunks.ModelChunks` (parameter names);
+        ``seams``: how gradients pair with parameters (``build_entries``, ``current_grads``)."""
         self.config = config
         self.detectors = detectors
         self.peers = peers
         self.model_chunks = model_chunks
+        self.seams = seams
         self._detector_width = sum(d.width() for d in detectors)
-        self._entries: "weakref.WeakKeyDictionary[Any, list[Entry]]" = weakref.WeakKeyDictionary()
+        self._entries: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
         self._num_slots: dict[int, int] = {}
         self._static: dict[tuple, tuple] = {}
 
-    def entries_for(self, optimizer: Any) -> list[Entry]:
+    def entries_for(self, optimizer: Any) -> list:
         entries = self._entries.get(optimizer)
         if entries is None:
-            entries, self._num_slots[id(optimizer)] = build_entries(optimizer, self.model_chunks.chunks_for(optimizer) or [])
+            entries, self._num_slots[id(optimizer)] = self.seams.build_entries(optimizer, self.model_chunks.chunks_for(optimizer) or [])
             self._entries[optimizer] = entries
         return entries
 
@@ -78,10 +80,10 @@ class CheckStage:
         """An optimizer checked so far (for the scene's optimizer metadata), or None."""
         return next(iter(self._entries.keys()), None)
 
-    def run(self, optimizer: Any, entries: list[Entry], step: int, origin_flag: Optional[torch.Tensor],
+    def run(self, optimizer: Any, entries: list, step: int, origin_flag: Optional[torch.Tensor],
             saturation: bool) -> Verdict:
         """Check ``optimizer``'s gradients of ``step`` on every rank; ``origin_flag``: this rank's
-        pre-reduction flag (:mod:`~megatron_patches.origin`)."""
+        pre-reduction flag (:mod:`~megatron_patches.seams.origin`)."""
         ctx, maxabs, vec = self._local(optimizer, entries, step, origin_flag, saturation)
         self.peers.prepare()  # once, while every rank is here
         if torch.distributed.is_initialized():
@@ -111,7 +113,7 @@ class CheckStage:
         for detector in self.detectors:
             detector.commit(verdict.ctx, accepted=accepted)
 
-    def _static_tensors(self, optimizer: Any, live: list[Entry], device: torch.device):
+    def _static_tensors(self, optimizer: Any, live: list, device: torch.device):
         key = (id(optimizer), len(live), device)
         cached = self._static.get(key)
         if cached is None:
@@ -122,10 +124,10 @@ class CheckStage:
             cached = self._static[key] = (weights, slots, limits)
         return cached
 
-    def _local(self, optimizer: Any, entries: list[Entry], step: int, origin_flag: Optional[torch.Tensor],
+    def _local(self, optimizer: Any, entries: list, step: int, origin_flag: Optional[torch.Tensor],
                saturation: bool):
         """Per-parameter norms on the device and this rank's vector to all-reduce."""
-        pairs = [(e, g) for e, g in current_grads(optimizer, entries) if g is not None and g.numel() > 0]
+        pairs = [(e, g) for e, g in self.seams.current_grads(optimizer, entries) if g is not None and g.numel() > 0]
         live = [e for e, _ in pairs]
         grads = [g for _, g in pairs]
         device = grads[0].device if grads else collective_device()

@@ -90,10 +90,10 @@ def _check_megatron(checks: _Checks) -> None:
                     f"'{versions.requirement()}'")
         return
     try:
-        from .patching.registry import MEGATRON_CORE_SUPPORTED
+        from .seams.targets import MEGATRON_CORE_SUPPORTED
     except Exception as exc:
         checks.line("warn", "megatron-core", f"{version} at {location}; supported range unknown "
-                    f"(megatron_patches.patching.registry not importable: {_exc(exc)})")
+                    f"(megatron_patches.seams.targets not importable: {_exc(exc)})")
         return
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version

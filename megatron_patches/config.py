@@ -112,7 +112,7 @@ class LossScaleConfig:
     enabled: bool = True
     """fp16 with a dynamic loss scaler: the steps it skips are its own business (calibration from
     the initial scale, a routine overflow), counted, not reported; a collapse or a run of skips
-    after calibration is an incident (:mod:`megatron_patches.loss_scale`). With a constant
+    after calibration is an incident (:mod:`megatron_patches.seams.loss_scale`). With a constant
     ``--loss-scale`` every overflow is an incident, whatever this says."""
     min_scale: float = field(default=1.0, metadata={"check": _positive})
     """A skip with the loss scale at or below this value, or at the scaler's own floor

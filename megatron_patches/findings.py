@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import math
 from types import MappingProxyType
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from . import locate, megatron_rerun, moe_routing
+from . import moe_routing, naming
+from .decisions import Decision
 from .detectors import CheckContext
 from .incidents import Incident, ParamFinding, finite_or_none
-from .response import Decision
 
 _BUILT_IN_KINDS = ("nan", "inf", "overflow", "magnitude")
 
@@ -53,7 +53,7 @@ def local_findings(config: Any, detectors: list, ctx: CheckContext, maxabs: Opti
         return []
     norm_list = ctx.norms.tolist()
     max_list = maxabs.tolist() if maxabs is not None else None
-    ranks, host, device = locate.rank_info(), locate.host(), locate.device_name()
+    ranks, host, device = naming.rank_info(), naming.host(), naming.device_name()
     findings = []
     for i, reasons in sorted(_picked(config, detectors, ctx, norm_list, max_list, total_over).items()):
         entry, grad = ctx.entries[i], ctx.grads[i]
@@ -134,9 +134,11 @@ def describe(kind: str, findings: list[ParamFinding], total_norm: float,
 
 
 def assemble(ctx: CheckContext, everyone: list, kinds: list, extra: dict, decision: Decision,
-             batch_info: dict, cause: Optional[Any] = None) -> Incident:
+             batch_info: dict, megatron_fields: Callable[[list, dict], tuple[dict, str]],
+             cause: Optional[Any] = None) -> Incident:
     """Rank 0: the incident from every rank's gathered part and the decision on it. ``extra``:
-    the fields the detectors add to the record. ``cause``: an event that made the step an
+    the fields the detectors add to the record. ``megatron_fields``: the fields and message note
+    from Megatron's loss check and rerun (``Seams.record_fields``). ``cause``: an event that made the step an
     incident beside its gradients (``kind``, ``why``, ``record_field()``: the loss scaler's); it
     leads the kinds and the message."""
     found = [f for part in everyone for f in part["findings"]]
@@ -170,15 +172,15 @@ def assemble(ctx: CheckContext, everyone: list, kinds: list, extra: dict, decisi
                                         for part in everyone if part.get("moe_routing")])
     if routing is not None:
         extra["moe_routing"] = routing
-    megatron_fields, note = megatron_rerun.record_fields(everyone, extra)  # Megatron's loss check and rerun
-    extra.update(megatron_fields)
+    fields, note = megatron_fields(everyone, extra)  # Megatron's loss check and rerun
+    extra.update(fields)
     message += note
     if decision.origins:
         dp_of = {part["ranks"]["global"]: part["ranks"]["dp"] for part in everyone}
         coupled = _one_expert_parallel_group(everyone, decision.origins)
         reached = {dp_of.get(f.ranks["global"], f.ranks["global"]) for f in found + before}
         reached |= {dp_of.get(r, r) for r in decision.origins}
-        world = locate.world_layout()
+        world = naming.world_layout()
         extra["replicas_reached"] = len(reached)
         message += (f"; entered on rank(s) {list(decision.origins)} before the data-parallel reduction, "
                     f"reached {len(reached)} of {world['dp'] * world['cp']} data-parallel replica(s)")
@@ -188,7 +190,7 @@ def assemble(ctx: CheckContext, everyone: list, kinds: list, extra: dict, decisi
     return Incident(
         step=ctx.step, decision=decision, kind=kind, kinds=tuple(found_kinds), message=message,
         params=tuple(found), first=origin, ranks_affected=tuple(f.ranks["global"] for f in found),
-        world=locate.world_layout(), total_norm=finite_or_none(ctx.total_norm),
+        world=naming.world_layout(), total_norm=finite_or_none(ctx.total_norm),
         batch=MappingProxyType({**batch_info, "samples": sorted({i for part in everyone for i in part["batch"]})}),
         injected=tuple(e for part in everyone for e in part["injected"]),
         origin_ranks=tuple(decision.origins), extra=MappingProxyType(extra))

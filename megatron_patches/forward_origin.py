@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import collectives, locate
+from . import collectives, naming
 from .collectives import BoundedGroup, PeerLost, gather_to_zero
 from .inject import _corrupt
 from .protocols import Guard
@@ -78,7 +78,7 @@ def attach_drills(monitor: Guard, model_chunks: list) -> int:
     if not specs:
         return 0
     hooked = 0
-    for name, _, module in locate.name_modules(model_chunks):
+    for name, _, module in naming.name_modules(model_chunks):
         if module in monitor.drills.hooked:  # the same model registered again (another optimizer of it)
             continue
         monitor.drills.hooked.add(module)
@@ -112,8 +112,8 @@ class ForwardTrace:
     device, read once by :meth:`first` / :meth:`first_backward`)."""
 
     def __init__(self, model_chunks: list):
-        self._named = locate.name_modules(model_chunks)
-        self._expert_place = locate.expert_place(model_chunks)
+        self._named = naming.name_modules(model_chunks)
+        self._expert_place = naming.expert_place(model_chunks)
         self._handles: list = []
         self._calls: list[tuple[str, int]] = []
         self._flags: list[torch.Tensor] = []
@@ -169,7 +169,7 @@ class ForwardTrace:
             if bad:
                 found = {"module": name, "stage": stage, "call": call}
                 ep_rank, per_rank = self._expert_place
-                expert = locate.expert_of(name, ep_rank, per_rank) if per_rank else None
+                expert = naming.expert_of(name, ep_rank, per_rank) if per_rank else None
                 if expert is not None:
                     found["expert"] = {"global": expert[0], "local": expert[1], "ep": ep_rank}
                 return found
@@ -214,7 +214,7 @@ def earliest(everyone: list, backward: bool = False) -> Optional[dict]:
                                          part["rank"]))["first"]
     same = [part for part in found if (part["first"]["stage"], part["first"]["module"], part["first"].get("call"))
             == (first["stage"], first["module"], first.get("call"))]
-    origin = {"module": first["module"], "layer": locate.layer_of(first["module"]),
+    origin = {"module": first["module"], "layer": naming.layer_of(first["module"]),
               "ranks": sorted(part["rank"] for part in same)}
     experts = sorted((part["first"]["expert"] for part in same if part["first"].get("expert")),
                      key=lambda expert: expert["global"])

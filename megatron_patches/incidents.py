@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
-from . import locate
-from .response import Decision, Severity
+from . import naming
+from .decisions import Decision, Severity
 
 log = logging.getLogger("megatron_patches")
 
@@ -62,13 +62,13 @@ class ParamFinding:
 
     @classmethod
     def located(cls, info: Any, ranks: dict[str, int], **fields: Any) -> "ParamFinding":
-        """A finding on the parameter ``info`` describes (a :class:`~megatron_patches.locate.ParamInfo`,
+        """A finding on the parameter ``info`` describes (a :class:`~megatron_patches.naming.ParamInfo`,
         None when the parameter is unnamed) held by the rank of ``ranks``: name, layer, order,
         expert and the ranks as they hold for it come from ``info``; ``fields`` give the rest."""
         if info is None:
             return cls(name=f"<unnamed {tuple(fields['shape'])}>", layer=None, order=-1, ranks=ranks, **fields)
         expert = {"global": info.expert[0], "local": info.expert[1]} if info.expert is not None else None
-        return cls(name=info.name, layer=info.layer, order=info.order, ranks=locate.param_ranks(ranks, info),
+        return cls(name=info.name, layer=info.layer, order=info.order, ranks=naming.param_ranks(ranks, info),
                    expert=expert, **fields)
 
     def as_record(self) -> dict:

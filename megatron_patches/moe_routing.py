@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import locate
+from . import naming
 
 ROUTER_SUFFIX = ".mlp.router"
 
@@ -41,7 +41,7 @@ class RoutingWatch:
     def attach(self, model_chunks: list) -> int:
         """Hook every router of ``model_chunks`` (once per module); returns how many were hooked."""
         hooked = 0
-        for name, _, module in locate.name_modules(model_chunks):
+        for name, _, module in naming.name_modules(model_chunks):
             if name.endswith(ROUTER_SUFFIX) and module not in self._hooked:
                 self._hooked.add(module)
                 module.register_forward_hook(self._hook(name[: -len(".router")]))

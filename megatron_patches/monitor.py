@@ -10,7 +10,7 @@ and broadcast the decision, so that all ranks act alike and none waits in a coll
 
     hooks -> check (check.CheckStage: vector, all-reduce, verdicts)
           -> locate (findings: this rank's findings, gathered; rank 0 assembles a frozen Incident)
-          -> respond (response.GradePolicy on rank 0, the Decision broadcast)
+          -> respond (decisions.GradePolicy on rank 0, the Decision broadcast)
           -> publish (publish.Publisher: record made once, scenes, alerts, history)
           -> the executor acts on the Decision (recovery) and hands back an Outcome
 """
@@ -27,23 +27,18 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import detectors as detector_plugins
-from . import collectives, grad_sync, hooks, inject, locate, scene, served_norm
+from . import collectives, inject, naming, scene
 from .check import CheckStage, Verdict, resolve_overflow_mode
 from .collectives import PeerLost
-from .decide import Responder, exit_peer_lost
 from .config import Config
+from .decisions import Action, Decision, exit_code
 from .errors import exit_refused
 from .findings import local_findings
 from .incidents import Incident, Outcome
-from .integrations.mindspeed import undo_prepare_on_skip
-from .loss_scale import LossScaleWatch, ScalerEvent
-from .megatron_rerun import RerunWatch
-from .model_chunks import ModelChunks
 from .moe_routing import RoutingWatch
-from .origin import OriginWatch, PreReduction, named_grads
-from .optimizer_params import current_grads
+from .protocols import Seams
 from .publish import Publisher
-from .response import Action, Decision, exit_code
+from .respond import Responder, exit_peer_lost
 
 log = logging.getLogger("megatron_patches")
 
@@ -51,22 +46,25 @@ log = logging.getLogger("megatron_patches")
 class GradMonitor:
     """Checks the gradients an optimizer is about to clip and apply.
 
-    Created and activated by :func:`megatron_patches.install`; the hooks call
-    :meth:`after_prepare_grads` and :meth:`before_grad_reduction`. Executors and integrations
-    use what :class:`megatron_patches.protocols.Guard` lists.
+    Made by :func:`megatron_patches.seams.build_monitor` and activated by
+    :func:`megatron_patches.install`; the hooks call :meth:`after_prepare_grads` and
+    :meth:`before_grad_reduction`. Executors and integrations use what
+    :class:`megatron_patches.protocols.Guard` lists.
     """
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, seams: Seams):
+        """``seams``: Megatron's side (:class:`megatron_patches.seams.MegatronSeams`)."""
         self.config = config
+        self.seams = seams
         # The run's state beside the pipeline, each piece passed down from here. The drills come
         # first: a bad spec stops the start before anything is made. Poison drills ask the guard
         # which step and rank a sample is fed on.
         self.drills = inject.build(config.inject, clock=lambda: (self.upcoming_step(), self.rank))
         """This run's fault drills (``config.inject``; an injector without specs does nothing)."""
-        self.model_chunks = ModelChunks()
+        self.model_chunks = seams.model_chunks()
         """The model chunks each optimizer steps, and each DDP bucket group's parameters."""
-        self.rerun = RerunWatch()
-        """Megatron's rerun of a checked step in place: its verdict and trace (:mod:`~megatron_patches.megatron_rerun`)."""
+        self.rerun = seams.rerun_watch()
+        """Megatron's rerun of a checked step in place: its verdict and trace (:mod:`~megatron_patches.seams.rerun_machine`)."""
         self.loop_session: Optional[Any] = None
         """The training loop integration's own state for this run (Megatron-LM's session), made by it."""
         self.peers = collectives.BoundedGroup(config.response.peer_timeout_s)
@@ -74,13 +72,13 @@ class GradMonitor:
         self._overflow_mode: Optional[str] = None  # resolved at the first check (resolve_overflow_mode)
         self.detectors = detector_plugins.build(config)
         self.report_dir = os.path.abspath(config.report_dir)
-        self.stage = CheckStage(config, self.detectors, self.peers, self.model_chunks)
-        self.origin = OriginWatch(config.response.origin_check)
+        self.stage = CheckStage(config, self.detectors, self.peers, self.model_chunks, seams)
+        self.origin = seams.origin_watch(config.response.origin_check)
         self.routing = RoutingWatch(self.upcoming_step, lambda step: step % config.check_interval == 0)
         """Tokens per expert and router finiteness of the step being made (mixture-of-experts)."""
         self.publisher = Publisher(config, self.report_dir)
-        self.responder = Responder(config, self.detectors, self.peers)
-        self._loss_scale = LossScaleWatch(config.detectors.loss_scale)
+        self.responder = Responder(config, self.detectors, self.peers, seams.record_fields)
+        self._loss_scale = seams.loss_scale_watch(config.detectors.loss_scale)
         self._step = 0
         self._step_set = False
         self._batch: list[int] = []
@@ -91,7 +89,7 @@ class GradMonitor:
         self.counters = {"checked_steps": 0, "skipped_steps": 0, "incidents": 0, "scaler_overflows": 0,
                          "injected": 0, "served_norms": 0}
         self.last_total_norm: Optional[float] = None
-        self.checked_norm: Optional[served_norm.CheckedNorm] = None
+        self.checked_norm: Optional[Any] = None
         """The last check's total norm, until Megatron's get_grad_norm takes it (served_norm)."""
         self.last_layer_norms: dict[str, float] = {}
         """Per-layer gradient norms of the last checked step (keys as in grad_history.jsonl)."""
@@ -184,7 +182,7 @@ class GradMonitor:
         self._loss_scale.clear()
         entries = self.stage.entries_for(optimizer)
         if self.drills:
-            grads = [(e.info.name, e.info.order, g) for e, g in current_grads(optimizer, entries) if g is not None]
+            grads = [(e.info.name, e.info.order, g) for e, g in self.seams.current_grads(optimizer, entries) if g is not None]
             self.counters["injected"] += len(self.drills.apply(step, "grad", self.rank, grads))
         if step % self.config.check_interval:
             return False
@@ -198,8 +196,8 @@ class GradMonitor:
         drills, chunks = self.drills, self.model_chunks.chunks_for(optimizer)
         if not drills.specs or not chunks:  # no drills, or a model nobody registered: nothing to match
             return
-        names = [info.name for info in locate.name_parameters(chunks).values()]
-        modules = [name for name, _, _ in locate.name_modules(chunks)]
+        names = [info.name for info in naming.name_parameters(chunks).values()]
+        modules = [name for name, _, _ in naming.name_modules(chunks)]
         every_rank = collectives.all_gather_floats(drills.has_targets(self.rank, names, modules))
         line = inject.unmatched(drills, every_rank, names, modules)
         if line is not None:
@@ -214,26 +212,26 @@ class GradMonitor:
             return
         entries = self.stage.entries_for(optimizer)
         if self._check(optimizer, entries, self._step, action=Action.ZERO_GRADS):
-            for _, grad in current_grads(optimizer, entries):
+            for _, grad in self.seams.current_grads(optimizer, entries):
                 if grad is not None:
                     grad.zero_()
 
     def before_grad_reduction(self, model_chunks: Any) -> None:
         """Runs at ``finalize_model_grads``. For Megatron DDP chunks the buckets' reductions start
         in their own ``start_grad_sync`` (under overlap, already during backward): phase=local drills
-        and the origin pass go in there (:mod:`~megatron_patches.grad_sync`); for other models, here."""
+        and the origin pass go in there (:mod:`~megatron_patches.seams.grad_sync`); for other models, here."""
         chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         step = self.upcoming_step()
-        if not grad_sync.covers(chunks):
+        if not self.seams.covers(chunks):
             if self.drills:
-                self.counters["injected"] += len(self.drills.apply(step, "local", self.rank, named_grads(chunks)))
+                self.counters["injected"] += len(self.drills.apply(step, "local", self.rank, self.seams.named_grads(chunks)))
             if step % self.config.check_interval == 0:
                 self.origin.before_reduction(chunks)
         for detector in self.detectors:
             detector.before_reduction(chunks, step)
 
     def note_bucket_check(self) -> None:
-        """Megatron's per-bucket check ran under the guard (:mod:`megatron_patches.bucket_check`):
+        """Megatron's per-bucket check ran under the guard (:mod:`megatron_patches.seams.bucket_norms`):
         the origin flag comes from its norms from now on, with no read of our own."""
         self.origin.note_bucket_check()
 
@@ -262,13 +260,13 @@ class GradMonitor:
         self.counters["checked_steps"] += 1
         self.last_total_norm = ctx.total_norm
         if self.config.serve_norm:
-            served_norm.remember(self, optimizer, ctx.step, ctx.total_norm, entries, ctx.grads)
+            self.seams.remember_norm(self, optimizer, ctx.step, ctx.total_norm, entries, ctx.grads)
         self.last_layer_norms = verdict.layer_norms
         if self.rank == 0:
             self.publisher.write_history(ctx.step, ctx.total_norm, verdict.layer_sq)
 
-    def _incident(self, verdict: Verdict, action: Action, before: PreReduction,
-                  cause: Optional[ScalerEvent] = None) -> None:
+    def _incident(self, verdict: Verdict, action: Action, before: Any,
+                  cause: Optional[Any] = None) -> None:
         """The slow path: locate, agree on a decision, publish, and end the run if it says so.
         ``cause``: the loss scaler's event that made this skipped step an incident."""
         ctx = verdict.ctx
@@ -277,7 +275,7 @@ class GradMonitor:
         findings = local_findings(self.config, self.detectors, ctx, verdict.maxabs, verdict.total_over)
         if self.drills.kills(ctx.step, self.rank):  # drill: this rank is lost in mid-incident
             os.kill(os.getpid(), signal.SIGKILL)
-        part = {"findings": findings, "batch": self._batch, "ranks": locate.rank_info(),
+        part = {"findings": findings, "batch": self._batch, "ranks": naming.rank_info(),
                 "megatron": self.rerun.part(ctx.step),  # Megatron's loss check and rerun verdict
                 "pre_reduction": pre_reduction, "origin": own_origin, "checked": len(ctx.entries),
                 "injected": self.drills.fired_at(ctx.step), "moe_routing": self.routing.share(ctx.step)}
@@ -313,7 +311,7 @@ class GradMonitor:
                              self.rank, episode=self.rollbacks)
 
     def _scaler_overflow(self, optimizer: Any, step: int) -> bool:
-        """A step the loss scaler skips (:mod:`~megatron_patches.loss_scale`). What was seen before
+        """A step the loss scaler skips (:mod:`~megatron_patches.seams.loss_scale`). What was seen before
         the reduction is the scaler's business too (a scaled overflow shows on every rank): it is
         dropped, unless the watch calls this skip an incident, which then goes the whole way
         (parameters named, origin ranks, grading) on the unscaled gradients."""
@@ -337,7 +335,7 @@ class GradMonitor:
     def replay_check(self, optimizer: Any, step: int) -> dict:
         """Run the check on gradients a loop has just recomputed for ``step`` (no update, no new
         incident). Returns ``{"flagged", "first"}``, identical on every rank."""
-        with hooks.unchecked():  # Megatron's own prepare_grads: no second pass through the hooks
+        with self.seams.unchecked():  # Megatron's own prepare_grads: no second pass through the hooks
             found_inf = bool(optimizer.prepare_grads())
         self._step, self._step_set = step, False
         result = {"flagged": False, "first": None}
@@ -355,7 +353,7 @@ class GradMonitor:
                 result = self.responder.replay_verdict(verdict)
             except PeerLost as error:
                 self._peer_lost(step, error)
-        undo_prepare_on_skip(optimizer)  # no update follows (MindSpeed --reuse-fp32-param)
+        self.seams.undo_prepare_on_skip(optimizer)  # no update follows (MindSpeed --reuse-fp32-param)
         return result
 
     def attach(self, executor: Any, rollbacks: int) -> None:

@@ -2,18 +2,20 @@
 
 :class:`Guard` is what recovery executors and integrations may use on the guard
 (:class:`~megatron_patches.monitor.GradMonitor` implements it); :class:`Executor` is what the guard
-calls on the recovery executor attached to it (:mod:`megatron_patches.recovery`). Anything else
-on the monitor is its own business and may change.
+calls on the recovery executor attached to it (:mod:`megatron_patches.recovery`); :class:`Seams`
+is what the core pipeline asks of Megatron's side (:class:`megatron_patches.seams.MegatronSeams`),
+handed to the monitor when it is made, so the core never imports :mod:`megatron_patches.seams`.
+Anything else on the monitor is its own business and may change.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Optional, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover - names for the annotations only
     from .config import Config
     from .incidents import Incident, Outcome
-    from .response import Decision
+    from .decisions import Decision
 
 
 class Executor(Protocol):
@@ -28,8 +30,52 @@ class Executor(Protocol):
         decision the exit code is taken from (a critical stop when that work failed)."""
 
 
+class Seams(Protocol):
+    """Megatron's side as the core pipeline sees it: how an optimizer's gradients pair with their
+    parameters, what DDP and the rerun machine saw, the loss scaler, and the per-run watches on
+    them. One implementation, :class:`megatron_patches.seams.MegatronSeams`; a test passes its own."""
+
+    def build_entries(self, optimizer: Any, model_chunks: list) -> tuple[list, int]:
+        """One entry per (gradient, parameter) pair the optimizer steps, and the number of
+        per-layer slots (:func:`megatron_patches.seams.optimizer_params.build_entries`)."""
+
+    def current_grads(self, optimizer: Any, entries: list) -> Iterable[tuple[Any, Any]]:
+        """``(entry, gradient or None)`` as the optimizer holds them now."""
+
+    def covers(self, model_chunks: list) -> bool:
+        """True where Megatron DDP's own ``start_grad_sync`` carries the pre-reduction pass."""
+
+    def named_grads(self, model_chunks: list) -> list:
+        """``(name, order, grad)`` of the chunks' parameters, for models outside Megatron DDP."""
+
+    def unchecked(self) -> ContextManager:
+        """A block in which Megatron's ``prepare_grads`` does not pass through the guard again."""
+
+    def undo_prepare_on_skip(self, optimizer: Any) -> Any:
+        """Undo what ``prepare_grads`` changed when no update follows (MindSpeed)."""
+
+    def remember_norm(self, guard: "Guard", optimizer: Any, step: int, total_norm: float,
+                      entries: list, grads: list) -> None:
+        """Keep the check's total norm for Megatron's ``get_grad_norm`` of the same step."""
+
+    def record_fields(self, everyone: list, extra: dict) -> tuple[dict, str]:
+        """Rank 0: the record's fields from Megatron's loss check and rerun, and a note for the message."""
+
+    def model_chunks(self) -> Any:
+        """A new run's optimizer -> model chunks and bucket group -> parameters map."""
+
+    def rerun_watch(self) -> Any:
+        """A new run's watch on Megatron's rerun state machine."""
+
+    def origin_watch(self, enabled: bool) -> Any:
+        """A new run's pre-reduction origin watch (``response.origin_check``)."""
+
+    def loss_scale_watch(self, settings: Any) -> Any:
+        """A new run's fp16 loss-scaler watch (``detectors.loss_scale``)."""
+
+
 class Guard(Protocol):
-    """What executors, integrations, training loops and the hook-side modules (bucket_check,
+    """What executors, integrations, training loops and the hook-side modules (bucket_norms,
     served_norm, forward_origin) use on the guard."""
 
     config: "Config"
@@ -47,7 +93,7 @@ class Guard(Protocol):
     """``fn(decision)`` called on every rank before the guard ends the process."""
 
     checked_norm: Any
-    """The last check's total norm until Megatron's get_grad_norm takes it (:mod:`~megatron_patches.served_norm`)."""
+    """The last check's total norm until Megatron's get_grad_norm takes it (:mod:`~megatron_patches.seams.served_norm`)."""
     routing: Any
     """Tokens per expert and router finiteness of the step being made (:mod:`~megatron_patches.moe_routing`)."""
 
@@ -55,9 +101,9 @@ class Guard(Protocol):
     drills: Any
     """The run's fault drills (:class:`~megatron_patches.inject.Injector`)."""
     model_chunks: Any
-    """Optimizer -> model chunks, bucket group -> parameters (:class:`~megatron_patches.model_chunks.ModelChunks`)."""
+    """Optimizer -> model chunks, bucket group -> parameters (:class:`~megatron_patches.seams.model_chunks.ModelChunks`)."""
     rerun: Any
-    """Megatron's rerun of a checked step in place (:class:`~megatron_patches.megatron_rerun.RerunWatch`)."""
+    """Megatron's rerun of a checked step in place (:class:`~megatron_patches.seams.rerun_machine.RerunWatch`)."""
     peers: Any
     """The guard's bounded gloo group for the slow path (:class:`~megatron_patches.collectives.BoundedGroup`)."""
     loop_session: Any

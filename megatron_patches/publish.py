@@ -15,9 +15,9 @@ import math
 import os
 from typing import Any, Optional
 
-from .locate import slot_names
+from .naming import slot_names
 from .incidents import HISTORY_FILE, HISTORY_SCHEMA, INCIDENTS_FILE, Incident, JsonlWriter, Outcome, finite_or_none
-from .response import Severity
+from .decisions import Severity
 
 log = logging.getLogger("megatron_patches")
 
@@ -90,14 +90,14 @@ class Publisher:
 
     def submit_scene(self, captured: tuple, record: Optional[dict]) -> None:
         """Queue a captured scene; rank 0 adds the environment and the complete ``record``."""
-        from . import locate, scene
+        from . import naming, scene
 
         if self.scenes is None:
             self.scenes = scene.SceneWriter(self.config.scene.queue_size, self.config.scene.max_bytes)
         path, payload = captured
         files = {}
         if record is not None:
-            files = {"environment.json": {**scene.environment(), "world": locate.world_layout()},
+            files = {"environment.json": {**scene.environment(), "world": naming.world_layout()},
                      "incident.json": record}
         self.scenes.submit(path, payload, files)  # the writer deep-copies what it is given
 

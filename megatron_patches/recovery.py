@@ -22,7 +22,7 @@ Pseudocode of one incident, as the in-process executor runs it::
     monitor.resolve(outcome)                    # the incident's record, published once
 
 Both executors end the process through ``monitor.exit(decision)``, which takes the exit code from
-:func:`megatron_patches.response.exit_code`.
+:func:`megatron_patches.decisions.exit_code`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from . import checkpoint, forward_origin, safe_mode
 from .errors import UserError
 from .incidents import Incident, Outcome
 from .protocols import Guard
-from .response import Action, Decision, exit_code
+from .decisions import Action, Decision, exit_code
 
 log = logging.getLogger("megatron_patches")
 

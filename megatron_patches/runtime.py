@@ -7,10 +7,10 @@ import os
 import sys
 from typing import Optional
 
-from . import hooks, patching
 from .config import Config, load_config
 from .errors import UserError, exit_refused
 from .monitor import GradMonitor
+from .seams import build_monitor, patching, wrappers
 
 log = logging.getLogger("megatron_patches")
 
@@ -38,10 +38,10 @@ def install(config: Optional[Config] = None) -> Optional[GradMonitor]:
     if not config.enabled:
         log.info("disabled by config (enabled: false); nothing patched")
         return None
-    monitor = hooks.get_monitor()
+    monitor = wrappers.get_monitor()
     if monitor is None:
-        monitor = GradMonitor(config)  # a bad drill spec stops here, before anything is patched
-        hooks.set_monitor(monitor)
+        monitor = build_monitor(config)  # a bad drill spec stops here, before anything is patched
+        wrappers.set_monitor(monitor)
     patching.install()
     return monitor
 
@@ -64,5 +64,5 @@ def uninstall() -> None:
     """Remove the patches and the monitor, and with it everything the run kept (tests, or a loop
     that wants them gone)."""
     patching.uninstall()
-    hooks.set_monitor(None)
+    wrappers.set_monitor(None)
 

@@ -3,7 +3,7 @@
 After a numerical incident the retry should run without the optimisations that may have caused
 it. Each name below maps to the Megatron-LM arguments that switch the feature off. They are set
 after Megatron has parsed and validated its arguments and before it builds the model and the
-optimizer (:mod:`megatron_patches.integrations.megatron_lm`), so the restarted job really trains
+optimizer (:mod:`megatron_patches.seams.megatron_lm`), so the restarted job really trains
 without them. Only features whose change keeps the checkpoint loadable are listed: none changes
 a parameter's shape or layout, or the optimizer state. Left out on purpose: ``--moe-grouped-gemm``
 (it stores the experts' weights as one tensor per layer instead of one per expert), fp8 and the

@@ -171,16 +171,16 @@ def capture(report_dir: str, ctx: Any, findings: list, batch: dict, optimizer: A
     shared with training. ``batch``: the record's batch fields with ``samples`` and ``tokens``
     (this rank's micro-batch tensors, or None); ``meta``: the guard's step and rollbacks, to which
     the optimizer's param groups and loss scale are added."""
-    from . import locate
+    from . import naming
     from .rng import rng_state
 
     norms = ctx.norms.tolist() if ctx.norms is not None else []
     tokens = batch.get("tokens")
     payload = {
         "step": ctx.step,
-        "ranks": locate.rank_info(),
-        "host": locate.host(),
-        "device": locate.device_name(),
+        "ranks": naming.rank_info(),
+        "host": naming.host(),
+        "device": naming.device_name(),
         "batch": {**batch, "tokens": [t.detach().cpu().clone() for t in tokens] if tokens else None},
         "rng": rng_state(),
         "grad_norms": {e.info.name: n for e, n in zip(ctx.entries, norms)},

@@ -4,9 +4,9 @@ A variant the guard cannot read correctly must stop the job before the first ste
 its gradients silently unchecked. Two places ask, so that both ways in are covered:
 
 - :func:`refuse_args`: Megatron-LM's parsed arguments, before the checkpoint load
-  (:mod:`megatron_patches.integrations.megatron_lm`);
+  (:mod:`megatron_patches.seams.megatron_lm`);
 - :func:`refuse_optimizer`: the optimizer objects themselves, when the guard first pairs
-  parameters with their gradients (:func:`megatron_patches.optimizer_params.build_entries`),
+  parameters with their gradients (:func:`megatron_patches.seams.optimizer_params.build_entries`),
   for users who build megatron-core optimizers without Megatron-LM's argument parser.
 
 Checked and tested (not refused): FP32, Float16 and distributed optimizers (``--bf16``/``--fp16``,
@@ -79,7 +79,7 @@ def unsupported_flag(args: Any) -> Optional[tuple[str, str]]:
 
 def refuse_optimizer(leaf: Any) -> None:
     """Raise :class:`UnsupportedConfig` when a megatron-core leaf optimizer is a variant whose
-    gradients :func:`~megatron_patches.optimizer_params.param_pairs` would miss or misread."""
+    gradients :func:`~megatron_patches.seams.optimizer_params.param_pairs` would miss or misread."""
     inner = getattr(leaf, "optimizer", None)
     if type(inner).__name__ == "HybridDeviceOptimizer" or type(leaf).__name__ == "HybridDeviceOptimizer":
         raise _unsupported("--optimizer-cpu-offload", "HybridDeviceOptimizer steps CPU copies the guard does not see")

@@ -16,10 +16,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_patches import hooks
+from megatron_patches.seams import wrappers
 
-HOOK_METHODS = tuple(sorted(set(re.findall(r"_monitor\.(\w+)\(", inspect.getsource(hooks)))))
-"""The GradMonitor methods the patches call (read from hooks.py, so new ones are timed too)."""
+HOOK_METHODS = tuple(sorted(set(re.findall(r"_monitor\.(\w+)\(", inspect.getsource(wrappers)))))
+"""The GradMonitor methods the patches call (read from wrappers.py, so new ones are timed too)."""
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
 
 

@@ -48,7 +48,7 @@ from bench_measure import (GradReadCounter, HostReadCounter, Stopwatch, gradient
                            merged_counts, model_state_storages, retained_storages, stats, total_count)
 from bench_report import DP2_NPROC, LIMITS, TITLES, VARIANTS, environment, print_table, targets
 from bench_variants import Variants
-from megatron_patches import hooks, patching
+from megatron_patches.seams import wrappers, patching
 from megatron_patches.testing import tiny_gpt
 
 SIZES = {
@@ -352,7 +352,7 @@ def main(argv=None) -> int:
                 result["sizes"][size] = summary
     finally:
         patching.uninstall()
-        hooks.set_monitor(None)
+        wrappers.set_monitor(None)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

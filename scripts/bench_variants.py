@@ -10,9 +10,9 @@ import typing
 import torch
 
 from bench_measure import HOOK_METHODS, Stopwatch
-from megatron_patches import hooks, patching
+from megatron_patches.seams import wrappers, patching
 from megatron_patches.config import Config
-from megatron_patches.monitor import GradMonitor
+from megatron_patches.seams import build_monitor
 
 
 # --- variant C: every detector on, built generically --------------------------------------
@@ -94,7 +94,7 @@ class Variants:
         default = shipped.replace(grad_history=False)
         all_on, self.all_on_changes = all_detectors_config(default)
         self.configs = {"B": default, "C": all_on, "E": shipped}
-        self.monitors = {v: GradMonitor(c) for v, c in self.configs.items()}
+        self.monitors = {v: build_monitor(c) for v, c in self.configs.items()}
         for monitor in self.monitors.values():  # time spent inside the guard itself
             for name in HOOK_METHODS:
                 setattr(monitor, name, guard.wrap(getattr(monitor, name), name))
@@ -102,8 +102,8 @@ class Variants:
     def activate(self, variant: str) -> None:
         # Unwrap first: patching.install() wraps whatever prepare_grads the class holds then.
         patching.uninstall()
-        hooks.set_monitor(None)
+        wrappers.set_monitor(None)
         setattr(self.chained, "prepare_grads", self.naive if variant == "D" else self.original)
         if variant in self.monitors:
             patching.install()
-            hooks.set_monitor(self.monitors[variant])
+            wrappers.set_monitor(self.monitors[variant])

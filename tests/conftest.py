@@ -228,7 +228,7 @@ def assert_trained(run: Run, min_drop: float = 0.5) -> dict:
 def assert_norm_is_megatrons(result: dict, steps: int) -> None:
     """On every step both measured, the guard's total gradient norm is the one Megatron's optimizer
     reported (relative difference <= 1e-5): same gradients, same parameters counted once. On a
-    checked step Megatron reports the guard's own total (megatron_patches.served_norm), so this
+    checked step Megatron reports the guard's own total (megatron_patches.seams.served_norm), so this
     holds by construction there; tests/test_served_norm.py compares it with Megatron's own code."""
     gap = result["grad_norm_vs_megatron"]
     assert gap["steps"] == steps and gap["max_rel_diff"] <= 1e-5, gap

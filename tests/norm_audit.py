@@ -19,7 +19,7 @@ import sys
 
 import megatron.core.optimizer.optimizer as megatron_optimizer
 
-from megatron_patches import hooks, served_norm
+from megatron_patches.seams import wrappers, served_norm
 
 stock_calls: list = []
 served: list = []
@@ -29,7 +29,7 @@ _take = served_norm.take
 
 
 def _step() -> int:
-    monitor = hooks.get_monitor()
+    monitor = wrappers.get_monitor()
     return monitor.step if monitor is not None else -1
 
 

@@ -2,7 +2,7 @@
 
 With ``--overlap-grad-reduce`` a bucket group's collective starts during backward, before
 ``finalize_model_grads``; the guard's drill and origin pass must go in before it
-(:mod:`megatron_patches.grad_sync`). Megatron's own check is off in the harness (megatron-core's
+(:mod:`megatron_patches.seams.grad_sync`). Megatron's own check is off in the harness (megatron-core's
 default), so the guard's fused pass is what finds the origin.
 """
 

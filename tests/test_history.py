@@ -90,18 +90,19 @@ def _guarded_optimizer(tmp_path, model, **history):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import FP32Optimizer
 
-    from megatron_patches import hooks, patching, runtime
+    from megatron_patches.seams import wrappers, patching
+    from megatron_patches import runtime
     from megatron_patches.config import Config
-    from megatron_patches.monitor import GradMonitor
+    from megatron_patches.seams import build_monitor
 
     runtime.uninstall()
     # runtime.install() without its logging setup, which would hide records from later caplog tests.
-    monitor = GradMonitor(Config.from_dict({"report_dir": str(tmp_path), "grad_history": False,
+    monitor = build_monitor(Config.from_dict({"report_dir": str(tmp_path), "grad_history": False,
                                             "detectors": {"history": history}}))
-    hooks.set_monitor(monitor)
+    wrappers.set_monitor(monitor)
     patching.install()
     optimizer = FP32Optimizer(torch.optim.SGD(model.parameters(), lr=0.0), OptimizerConfig(lr=0.0), lambda opt: None)
-    hooks.register_model(optimizer, [model])
+    wrappers.register_model(optimizer, [model])
     return monitor, optimizer
 
 

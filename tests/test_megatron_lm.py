@@ -25,9 +25,10 @@ import pytest
 from conftest import REPO, run_packaged_loop
 from megatron_patches.testing.pretrain_cpu import TINY_GPT_ARGS
 
-from megatron_patches import checkpoint, megatron_rerun
+from megatron_patches import checkpoint
+from megatron_patches.seams import rerun_machine
 from megatron_patches.report import diagnosis
-from megatron_patches.integrations import megatron_lm
+from megatron_patches.seams import megatron_lm
 from megatron_patches.recovery import LEDGER_FILE, Ledger
 
 LAUNCHER = REPO / "scripts" / "restart_on_rollback.py"
@@ -163,8 +164,8 @@ def test_training_targets_are_skipped_where_megatron_training_is_absent(clean_pa
         pytest.skip("megatron.training is importable here: the optional targets would be installed")
     except ImportError:
         pass
-    from megatron_patches import patching
-    from megatron_patches.patching.registry import TRAINING_TARGETS
+    from megatron_patches.seams import patching
+    from megatron_patches.seams.targets import TRAINING_TARGETS
 
     logger = logging.getLogger("megatron_patches")  # runtime.install() may have stopped propagation
     logger.addHandler(caplog.handler)
@@ -882,7 +883,7 @@ def test_megatron_rerun_fields_take_the_reproducible_verdict_and_name_the_loss_r
     everyone = [{"ranks": {"global": 0}, "megatron": {"rerun": {**share, "check": "bucket norm", "verdict": "transient"}}},
                 {"ranks": {"global": 1}, "megatron": {"loss_nonfinite": True, "rerun": {**share, "verdict": "reproducible"}}},
                 {"ranks": {"global": 2}, "megatron": None}]
-    fields, note = megatron_rerun.record_fields(everyone, {})
+    fields, note = rerun_machine.record_fields(everyone, {})
     assert fields["loss_nonfinite"] is True
     assert fields["megatron_rerun"]["verdict"] == "reproducible" and fields["megatron_rerun"]["mode"] == "validate_results"
     assert [(r["rank"], r["check"], r["verdict"]) for r in fields["megatron_rerun"]["by_rank"]] == [
@@ -890,9 +891,9 @@ def test_megatron_rerun_fields_take_the_reproducible_verdict_and_name_the_loss_r
     assert "the loss was non-finite on rank(s) [1]" in note and "named first is not the suspect" in note
     assert "found it reproducible" in note
     # all_gradients_nonfinite's message already disclaims the parameter named first.
-    _, note = megatron_rerun.record_fields(everyone, {"all_gradients_nonfinite": True})
+    _, note = rerun_machine.record_fields(everyone, {"all_gradients_nonfinite": True})
     assert "not the suspect" not in note
-    assert megatron_rerun.record_fields(everyone[2:], {}) == ({}, "")
+    assert rerun_machine.record_fields(everyone[2:], {}) == ({}, "")
 
 
 @pytest.mark.multiproc

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_patches.integrations.mindspeed import converted_by_prepare, undo_prepare_on_skip
+from megatron_patches.seams.mindspeed import converted_by_prepare, undo_prepare_on_skip
 
 KINDS = ("float16", "distributed", "distributed-dp2")
 """Float16OptimizerWithFloat16Params and DistributedOptimizer on one rank; DistributedOptimizer on
@@ -161,8 +161,9 @@ _MPO = "megatron.core.optimizer.optimizer.MixedPrecisionOptimizer.prepare_grads"
 def ms_manager(mindspeed_dir, monkeypatch):
     """A function importing MindSpeed's patch manager (sys.path holds MINDSPEED_DIR already, so that
     ``import mindspeed`` works as in a job); afterwards its patches, ours and its modules are gone."""
-    from megatron_patches import patching, runtime
-    from megatron_patches.patching.registry import TARGETS
+    from megatron_patches.seams import patching
+    from megatron_patches import runtime
+    from megatron_patches.seams.targets import TARGETS
 
     runtime.uninstall()
     owners = [patching._resolve(t.module, t.qualname) for t in TARGETS]
@@ -191,10 +192,10 @@ def ms_manager(mindspeed_dir, monkeypatch):
 @pytest.fixture
 def hook_calls(monkeypatch):
     """Optimizers our prepare_grads hook saw (the hook's check itself needs a monitor)."""
-    from megatron_patches import hooks
+    from megatron_patches.seams import wrappers
 
     seen = []
-    monkeypatch.setattr(hooks, "_checked_prepare", lambda instance, call: (seen.append(instance), call())[1])
+    monkeypatch.setattr(wrappers, "_checked_prepare", lambda instance, call: (seen.append(instance), call())[1])
     return seen
 
 
@@ -205,7 +206,7 @@ def _mpo_installed():
 
 
 def _layers_of_ours(obj) -> int:
-    from megatron_patches import patching
+    from megatron_patches.seams import patching
 
     count = 0
     while obj is not None:
@@ -235,7 +236,7 @@ def test_guard_before_mindspeed_is_said_and_wrapped_again(ms_manager, hook_calls
 
     from megatron.core.optimizer.optimizer import ChainedOptimizer, MixedPrecisionOptimizer
 
-    from megatron_patches import patching
+    from megatron_patches.seams import patching
 
     with caplog.at_level(logging.WARNING, logger="megatron_patches"):
         patching.install()
@@ -270,7 +271,7 @@ def test_repatch_keeps_the_guard(ms_manager, hook_calls, caplog):
 
     from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
-    from megatron_patches import patching
+    from megatron_patches.seams import patching
 
     manager = ms_manager()
     manager.register_patch(_MPO, _replacement_prepare_grads)
@@ -303,7 +304,7 @@ def test_our_wrapper_captured_through_getattr_is_recognised(ms_manager):
 
     import wrapt
 
-    from megatron_patches import patching
+    from megatron_patches.seams import patching
 
     original = _mpo_installed()
     manager = ms_manager()
@@ -342,8 +343,8 @@ def test_copies_bound_in_listed_modules_are_wrapped(clean_patches, monkeypatch):
     import importlib
     import types
 
-    from megatron_patches import patching
-    from megatron_patches.integrations import mindspeed
+    from megatron_patches.seams import patching
+    from megatron_patches.seams import mindspeed
 
     fmg_module = importlib.import_module("megatron.core.distributed.finalize_model_grads")
     original = fmg_module.finalize_model_grads
@@ -364,7 +365,7 @@ def test_unchecked_optimizer_paths_are_refused_by_name(flag):
     import argparse
 
     from megatron_patches.errors import UnsupportedConfig
-    from megatron_patches.integrations.mindspeed import refuse_unchecked_paths
+    from megatron_patches.seams.mindspeed import refuse_unchecked_paths
 
     refuse_unchecked_paths(argparse.Namespace(use_quant_optimizer=False, quant_states=None, layerzero=False))
     with pytest.raises(UnsupportedConfig, match=flag):
@@ -378,26 +379,26 @@ def test_overflow_mode_is_asked_at_first_use_not_at_install(monkeypatch):
     import types
 
     from megatron_patches.config import Config
-    from megatron_patches.monitor import GradMonitor
+    from megatron_patches.seams import build_monitor
 
     asked = []
     standin_torch_npu = types.ModuleType("torch_npu")
     standin_torch_npu.npu = types.SimpleNamespace(utils=types.SimpleNamespace(
         is_support_inf_nan=lambda: (asked.append(1), False)[1]))
     monkeypatch.setitem(sys.modules, "torch_npu", standin_torch_npu)
-    monitor = GradMonitor(Config.from_dict({}))  # what import megatron_patches.apply makes
+    monitor = build_monitor(Config.from_dict({}))  # what import megatron_patches.apply makes
     assert asked == []
     assert monitor.overflow_mode == "saturation" and monitor.overflow_mode == "saturation"
     assert asked == [1]
-    assert GradMonitor(Config.from_dict({"overflow_mode": "ieee"})).overflow_mode == "ieee" and asked == [1]
+    assert build_monitor(Config.from_dict({"overflow_mode": "ieee"})).overflow_mode == "ieee" and asked == [1]
 
 
 def test_overflow_mode_without_torch_npu_is_ieee(monkeypatch):
     from megatron_patches.config import Config
-    from megatron_patches.monitor import GradMonitor
+    from megatron_patches.seams import build_monitor
 
     monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
-    assert GradMonitor(Config.from_dict({})).overflow_mode == "ieee"
+    assert build_monitor(Config.from_dict({})).overflow_mode == "ieee"
 
 
 def _gather_on_rank(rank: int, port: int, out: str) -> None:
@@ -505,7 +506,8 @@ def _scenario(mindspeed_dir: str, kind: str, out: str) -> dict:
     MindSpeedPatchesManager.apply_patches()
     remove_training_standin()
 
-    from megatron_patches import hooks, runtime
+    from megatron_patches.seams import wrappers
+    from megatron_patches import runtime
     from megatron_patches.config import Config
 
 
@@ -558,7 +560,7 @@ def _scenario(mindspeed_dir: str, kind: str, out: str) -> dict:
         model.finish_grad_sync()
         if nan:
             next(p for p in model.parameters() if p.requires_grad).main_grad.view(-1)[0] = float("nan")
-        monitor = hooks.get_monitor()
+        monitor = wrappers.get_monitor()
         skipped_before = monitor.counters["skipped_steps"]
         optimizer.step()
         after = bf16_bits(model)
@@ -578,7 +580,7 @@ def _scenario(mindspeed_dir: str, kind: str, out: str) -> dict:
         digest = hashlib.sha256(b"".join(a.numpy().tobytes() for a in after)).hexdigest()
         return {"nan": nan, **event, "weights": digest}
 
-    import megatron_patches.integrations.mindspeed as integration
+    import megatron_patches.seams.mindspeed as integration
 
     real_undo = integration.undo_prepare_on_skip
 

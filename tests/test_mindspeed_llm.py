@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_patches import checkpoint, variants
-from megatron_patches.integrations import mindspeed, mindspeed_llm
+from megatron_patches.seams import mindspeed, mindspeed_llm
 from megatron_patches.recovery import Ledger
 
 REPO = Path(__file__).resolve().parent.parent

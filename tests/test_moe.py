@@ -19,7 +19,7 @@ import pytest
 
 import torch
 
-from megatron_patches import findings, forward_origin, locate, moe_routing
+from megatron_patches import findings, forward_origin, naming, moe_routing
 from megatron_patches.incident_text import diagnosis, expert_text
 from megatron_patches.incidents import ParamFinding
 
@@ -46,7 +46,7 @@ EXPERT_MODULE = "decoder.layers.1.mlp.experts.local_experts.1"
     ("decoder.layers.0.mlp.linear_fc1.weight", 0, 2, None),
 ])
 def test_expert_of_gives_the_global_and_local_expert_index(name, ep_rank, per_rank, expected):
-    assert locate.expert_of(name, ep_rank, per_rank) == expected
+    assert naming.expert_of(name, ep_rank, per_rank) == expected
 
 
 def _first(module: str, call: int, stage: int = 0, expert: dict | None = None) -> dict:
@@ -91,7 +91,7 @@ def test_ranks_of_one_expert_parallel_group_count_as_one_origin():
 
 
 def test_a_finding_on_an_expert_carries_it_in_the_record_and_the_text():
-    info = locate.ParamInfo(name=EXPERT_FC1.format(k=1), layer=1, order=20, counts_in_norm=True, expert=(3, 1))
+    info = naming.ParamInfo(name=EXPERT_FC1.format(k=1), layer=1, order=20, counts_in_norm=True, expert=(3, 1))
     ranks = {"global": 1, "tp": 0, "pp": 0, "dp": 1, "cp": 0, "ep": 1, "edp": 0, "vpp": 0}
     finding = ParamFinding.located(info, ranks, shape=[256, 64], nan=1, inf=0, overflow=0, norm=None,
                                    host="h", device="cpu")

@@ -7,10 +7,11 @@ import logging
 import pytest
 import wrapt
 
-from megatron_patches import hooks, patching, runtime, versions
+from megatron_patches.seams import wrappers, patching
+from megatron_patches import runtime, versions
 from megatron_patches.config import Config
 from megatron_patches.errors import UnsupportedVersionError
-from megatron_patches.patching.registry import TARGETS, TRAINING_TARGETS
+from megatron_patches.seams.targets import TARGETS, TRAINING_TARGETS
 
 
 def _current(target):
@@ -98,14 +99,14 @@ def test_megatron_core_0_8_is_refused_by_name_with_the_reason(clean_patches, ver
 
 def test_disabled_config_installs_nothing(clean_patches):
     assert runtime.install(Config.from_dict({"enabled": False})) is None
-    assert patching.installed_targets() == [] and hooks.get_monitor() is None
+    assert patching.installed_targets() == [] and wrappers.get_monitor() is None
 
 
 def test_source_patch_decorator_is_not_wrapped_twice(clean_patches):
     from megatron.core.optimizer import optimizer as opt
 
     original = opt.FP32Optimizer.__dict__["prepare_grads"]
-    opt.FP32Optimizer.prepare_grads = hooks.checked_prepare_grads(original)
+    opt.FP32Optimizer.prepare_grads = wrappers.checked_prepare_grads(original)
     try:
         names = patching.install()
         assert "megatron.core.optimizer.optimizer.FP32Optimizer.prepare_grads" not in names

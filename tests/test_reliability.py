@@ -17,7 +17,7 @@ from conftest import run_tiny
 from megatron_patches.config import Config, load_config
 from megatron_patches.errors import ConfigError
 from megatron_patches.incidents import HISTORY_FILE, INCIDENTS_FILE, JsonlWriter
-from megatron_patches.response import EXIT_CRITICAL, EXIT_PEER_LOST, EXIT_STOP
+from megatron_patches.decisions import EXIT_CRITICAL, EXIT_PEER_LOST, EXIT_STOP
 
 pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)
 
@@ -425,15 +425,15 @@ def test_a_checkpoint_that_cannot_be_marked_is_no_rollback_target_and_training_g
 def test_a_ledger_that_cannot_be_written_turns_a_rollback_exit_into_a_stop(tmp_path, guard_log):
     """Exit-and-restart: rank 0 writes the ledger before every rank exits 84. Where it cannot
     (the ledger's path is a directory), a restart would not know why: the exit becomes 86."""
-    from megatron_patches.monitor import GradMonitor
+    from megatron_patches.seams import build_monitor
     from megatron_patches.recovery import ExitAndRestart
-    from megatron_patches.response import Action, Decision, Severity, exit_code
+    from megatron_patches.decisions import Action, Decision, Severity, exit_code
 
     rollback = Decision(Severity.ERROR, Action.ROLLBACK, "anomaly on 2 consecutive checked steps", 4)
     stop = Decision(Severity.ERROR, Action.STOP, "anomaly on 2 consecutive checked steps", 4)
     root = tmp_path / "checkpoints"
     root.mkdir()
-    executor = ExitAndRestart(GradMonitor(Config()), str(root))
+    executor = ExitAndRestart(build_monitor(Config()), str(root))
     (root / "megatron_patches_ledger.json").mkdir()  # now the write fails
     assert exit_code(executor.settle_exit(rollback)) == EXIT_CRITICAL
     assert any("the ledger could not be written" in r.getMessage() for r in guard_log.records)

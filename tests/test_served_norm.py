@@ -1,5 +1,5 @@
 """With ``serve_norm: true`` Megatron's clipping norm comes from the guard's own checked pass
-(megatron_patches.served_norm): the value Megatron's own code would give, without Megatron reading
+(megatron_patches.seams.served_norm): the value Megatron's own code would give, without Megatron reading
 the gradients a second time. By default Megatron computes it, and a guarded run equals an unguarded
 one bit for bit."""
 

@@ -243,7 +243,7 @@ def test_exit_codes_out_of_range_or_shared_are_refused_in_one_line(codes, proble
 
 
 def test_exit_codes_map_each_decision_to_the_configured_status():
-    from megatron_patches.response import Action, Decision, Severity, exit_code
+    from megatron_patches.decisions import Action, Decision, Severity, exit_code
 
     codes = Config.from_dict({"response": {"exit_codes": {"rollback": 90, "stop": 91, "critical": 93}}}).response.exit_codes
     assert exit_code(Decision(Severity.ERROR, Action.ROLLBACK, "", 1), codes) == 90

@@ -1,10 +1,10 @@
 """Grading without training: how GradePolicy turns a stream of incidents into severities and
-actions (response.py). Each test feeds steps the way the monitor does, one grade per incident."""
+actions (decisions.py). Each test feeds steps the way the monitor does, one grade per incident."""
 
 import pytest
 
 from megatron_patches.config import Config
-from megatron_patches.response import GradePolicy
+from megatron_patches.decisions import GradePolicy
 
 pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)
 

@@ -8,7 +8,7 @@ import stat
 import pytest
 import torch
 
-from megatron_patches import collectives, files, locate
+from megatron_patches import collectives, files, naming
 from megatron_patches.detectors import Rotation
 from megatron_patches.incident_text import one_line
 
@@ -37,11 +37,11 @@ def test_rotation_period_is_the_nearest_whole_share(fraction, period):
 
 
 def test_slot_names_are_layers_then_embedding_then_output():
-    assert locate.slot_names(5) == ["0", "1", "2", "embedding", "output"]
-    assert locate.slot_names(4, layer_prefix="layer ") == ["layer 0", "layer 1", "embedding", "output"]
-    assert locate.slot_names(2) == ["embedding", "output"]
+    assert naming.slot_names(5) == ["0", "1", "2", "embedding", "output"]
+    assert naming.slot_names(4, layer_prefix="layer ") == ["layer 0", "layer 1", "embedding", "output"]
+    assert naming.slot_names(2) == ["embedding", "output"]
     with pytest.raises(IndexError):
-        locate.slot_name(5, 5)
+        naming.slot_name(5, 5)
 
 
 @pytest.mark.parametrize("name, layer, slot", [
@@ -53,19 +53,19 @@ def test_slot_names_are_layers_then_embedding_then_output():
     ("mtp.layers.4.weight", 4, 5),  # a layer index past the transformer layers: output side
 ])
 def test_slot_index_puts_each_parameter_in_its_slot(name, layer, slot):
-    info = locate.ParamInfo(name=name, layer=layer, order=0, counts_in_norm=True)
-    assert locate.slot_index(info, num_layers=4) == slot
-    assert locate.slot_name(slot, 6) == (str(layer) if slot < 4 else ["embedding", "output"][slot - 4])
+    info = naming.ParamInfo(name=name, layer=layer, order=0, counts_in_norm=True)
+    assert naming.slot_index(info, num_layers=4) == slot
+    assert naming.slot_name(slot, 6) == (str(layer) if slot < 4 else ["embedding", "output"][slot - 4])
 
 
 def test_a_parameter_carries_the_virtual_pipeline_rank_of_its_own_chunk():
     """Two model chunks (an interleaved schedule): each parameter is named with its chunk's
     virtual rank, whatever rank_info says is running now."""
     chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
-    infos = locate.name_parameters(chunks)
+    infos = naming.name_parameters(chunks)
     running = {"global": 0, "tp": 0, "pp": 0, "dp": 0, "cp": 0, "ep": 0, "vpp": 0}
-    assert [locate.param_ranks(running, infos[id(p)])["vpp"] for c in chunks for p in c.parameters()] == [0, 0, 1, 1]
-    assert locate.param_ranks(running, None) == running
+    assert [naming.param_ranks(running, infos[id(p)])["vpp"] for c in chunks for p in c.parameters()] == [0, 0, 1, 1]
+    assert naming.param_ranks(running, None) == running
 
 
 def test_rank_and_world_without_torch_distributed():

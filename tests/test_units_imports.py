@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_patches.patching.registry import TARGETS, TRAINING_TARGETS
+from megatron_patches.seams.targets import TARGETS, TRAINING_TARGETS
 
 pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)
 
@@ -79,6 +79,28 @@ def test_the_package_has_no_import_cycle():
     assert cycles(import_graph()) == []
 
 
+# The layers: the core pipeline, Megatron's seams (megatron_patches/seams) over it, and what starts
+# a run or a tool over both. The core reaches Megatron only through the Seams it is handed.
+OUTER = {"megatron_patches.apply", "megatron_patches.runtime", "megatron_patches.hooks", "megatron_patches.cli",
+         "megatron_patches.__main__", "megatron_patches.tiny_gpt"}
+
+
+def layer(module: str) -> str:
+    if module in OUTER or module.startswith("megatron_patches.testing"):
+        return "outer"
+    return "seams" if module.startswith("megatron_patches.seams") else "core"
+
+
+def test_the_core_never_imports_megatron_seams_or_what_starts_a_run():
+    graph = import_graph()
+    upward = {(m, t) for m, targets in graph.items() if layer(m) == "core"
+              for t in targets if layer(t) != "core"}
+    upward |= {(m, t) for m, targets in graph.items() if layer(m) == "seams"
+               for t in targets if layer(t) == "outer"}
+    assert upward == set()
+    assert {layer(m) for m in graph} == {"core", "seams", "outer"}  # the split is not empty on either side
+
+
 def test_the_cycle_finder_finds_one():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -92,10 +114,10 @@ def test_the_registry_names_its_wrappers_and_each_resolves_to_a_function():
 # --- per-run state lives on the run's monitor, not in module globals (issue 22 item 1) ------------
 
 PROCESS_STATE = {
-    ("megatron_patches.hooks", "_monitor"): "the one pointer to the run: its monitor holds the rest",
-    ("megatron_patches.patching", "_installed"): "the process's patches of Megatron's classes",
-    ("megatron_patches.patching", "_first_call_seen"): "whether a patched target ran yet in the process",
-    ("megatron_patches.patching", "_unwatch"): "the process's import watchers for late-imported targets",
+    ("megatron_patches.seams.wrappers", "_monitor"): "the one pointer to the run: its monitor holds the rest",
+    ("megatron_patches.seams.patching", "_installed"): "the process's patches of Megatron's classes",
+    ("megatron_patches.seams.patching", "_first_call_seen"): "whether a patched target ran yet in the process",
+    ("megatron_patches.seams.patching", "_unwatch"): "the process's import watchers for late-imported targets",
     ("megatron_patches.testing.cpu", "_state"): "the CPU runtime's redirects of torch and Megatron",
     ("megatron_patches.testing.megatron_lm_cpu", "_state"): "the CPU runtime's redirects of Megatron-LM's loop",
 }

@@ -108,7 +108,8 @@ def test_a_bad_spec_is_refused_naming_the_spec_and_the_problem(text, message):
 def test_the_drills_are_the_runs_and_go_with_it(clean_patches):
     """runtime.install gives the run's monitor config.inject as its drills; a second run in the
     process starts with its own, and none is left anywhere once the guard is uninstalled."""
-    from megatron_patches import hooks, runtime
+    from megatron_patches.seams import wrappers
+    from megatron_patches import runtime
     from megatron_patches.config import Config
 
     logger = logging.getLogger("megatron_patches")
@@ -120,7 +121,7 @@ def test_the_drills_are_the_runs_and_go_with_it(clean_patches):
         assert monitor.drills.fired_at(monitor.upcoming_step()) == [
             {"drill": "poison:sample=7", "rank": 0, "sample": 7}]  # fed on the step the guard is making
         runtime.uninstall()
-        assert hooks.get_monitor() is None
+        assert wrappers.get_monitor() is None
         again = runtime.install(Config())
         assert again is not monitor and again.drills.specs == () and not again.drills
     finally:
@@ -130,13 +131,14 @@ def test_the_drills_are_the_runs_and_go_with_it(clean_patches):
 
 
 def test_a_bad_spec_stops_the_start_before_anything_is_patched(clean_patches):
-    from megatron_patches import hooks, patching, runtime
+    from megatron_patches.seams import wrappers, patching
+    from megatron_patches import runtime
     from megatron_patches.config import Config
 
     config = Config.from_dict({"inject": ["nan:step=2", "nan:step=zero"]})
     with pytest.raises(ConfigError, match="step"):
         runtime.install(config)
-    assert hooks.get_monitor() is None and patching.installed_targets() == []
+    assert wrappers.get_monitor() is None and patching.installed_targets() == []
 
 
 # --- a drill with nothing to act on is refused, not silently idle (issue 25) ----------------------

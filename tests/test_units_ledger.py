@@ -11,7 +11,7 @@ import pytest
 from megatron_patches.config import Config
 from megatron_patches.errors import UserError
 from megatron_patches.recovery import LEDGER_FILE, LEDGER_SCHEMA, Ledger, _ledger_problem
-from megatron_patches.response import GradePolicy
+from megatron_patches.decisions import GradePolicy
 
 pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)
 

@@ -1,4 +1,4 @@
-"""The fp16 loss-scale rule (megatron_patches.loss_scale) on Megatron's own grad scalers, in process:
+"""The fp16 loss-scale rule (megatron_patches.seams.loss_scale) on Megatron's own grad scalers, in process:
 which skips are the scaler's business and which are incidents."""
 
 from types import SimpleNamespace
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_patches.config import LossScaleConfig
-from megatron_patches.loss_scale import HISTORY_LIMIT, LossScaleWatch
+from megatron_patches.seams.loss_scale import HISTORY_LIMIT, LossScaleWatch
 from megatron_patches.testing.cpu import cpu_runtime
 
 grad_scaler = pytest.importorskip("megatron.core.optimizer.grad_scaler")

@@ -12,9 +12,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from megatron_patches.incidents import (
-    INCIDENT_SCHEMA, JsonlWriter, ParamFinding, finite_json, finite_or_none, make_record,
-)
+from megatron_patches.incidents import INCIDENT_SCHEMA, JsonlWriter, ParamFinding, finite_json, finite_or_none, make_record
 
 pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)
 

@@ -119,7 +119,7 @@ def test_torch_fsdp2_dtensor_parameters_are_refused():
 
 def test_megatrons_rerun_checkpoint_is_told_apart_from_an_ordinary_save():
     rsm = pytest.importorskip("megatron.core.rerun_state_machine")
-    from megatron_patches.integrations import megatron_lm_checkpoints
+    from megatron_patches.seams import megatron_lm_checkpoints
 
     machine = rsm.get_rerun_state_machine()
     before = machine.state
@@ -145,7 +145,7 @@ def megatron_training(monkeypatch, tmp_path):
 
 
 def _session():
-    from megatron_patches.integrations import megatron_lm
+    from megatron_patches.seams import megatron_lm
 
     return megatron_lm.MegatronLMSession(SimpleNamespace(counters={"incidents": 0}, state_dict=dict))
 

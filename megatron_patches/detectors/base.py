@@ -16,7 +16,7 @@ class CheckContext:
 
     step: int
     entries: list
-    """The monitor's ``Entry`` objects (megatron_patches.optimizer_params) whose gradients are present (same order as grads)."""
+    """The monitor's ``Entry`` objects (megatron_patches.seams.optimizer_params) whose gradients are present (same order as grads)."""
     grads: list
     norms: Optional[torch.Tensor]
     """L2 norm of each gradient in ``grads`` on the device (fp32), None on a rank without any."""

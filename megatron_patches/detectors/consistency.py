@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 import torch
 
-from .. import collectives, locate
+from .. import collectives, naming
 from .base import CheckContext, Detector, Rotation
 
 log = logging.getLogger("megatron_patches")
@@ -74,7 +74,7 @@ def _tensor_sums(tensors: list) -> torch.Tensor:
 
 
 def _parallel_state():
-    return locate._parallel_state()
+    return naming._parallel_state()
 
 
 class ConsistencyDetector(Detector):
@@ -284,8 +284,8 @@ class ConsistencyDetector(Detector):
         # the shards it owns); the record lists every differing name under suspected_hardware.
         by_name = {e.info.name: i for i, e in enumerate(ctx.entries)}
         self._mine = {by_name[n]: ["rank_mismatch"] for n in differing if n in by_name}
-        who = {"rank": me, **{k: v for k, v in locate.rank_info().items() if k != "global"},
-               "host": locate.host(), "device": locate.device_name(), "params": differing}
+        who = {"rank": me, **{k: v for k, v in naming.rank_info().items() if k != "global"},
+               "host": naming.host(), "device": naming.device_name(), "params": differing}
         world = [None] * collectives.world_size()
         torch.distributed.all_gather_object(world, who)
         self._who = {w["rank"]: w for w in world}
@@ -294,7 +294,7 @@ class ConsistencyDetector(Detector):
         if self._mode == "grads":
             pairs = [(e.info.name, g) for e, g in zip(ctx.entries, ctx.grads) if getattr(e.model, "allreduce", True)]
         else:
-            infos = locate.name_parameters(self._live_chunks())
+            infos = naming.name_parameters(self._live_chunks())
             pairs = [(infos[id(p)].name if id(p) in infos else f"param[{i}]", p.detach())
                      for i, p in enumerate(p for c in self._live_chunks() for p in c.parameters())
                      if p.requires_grad and getattr(p, "allreduce", True) and p.numel() > 0]

@@ -36,7 +36,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .. import collectives, locate
+from .. import collectives, naming
 from .base import CheckContext, Detector, Rotation
 
 log = logging.getLogger(__name__)
@@ -250,7 +250,7 @@ class HistoryDetector(Detector):
             for i, (z, zf, df, run, logn, mean) in enumerate(rows):
                 if zf or df:
                     tripped.append({
-                        "level": "total" if level == "total" else locate.slot_name(i, len(j.z), layer_prefix="layer "),
+                        "level": "total" if level == "total" else naming.slot_name(i, len(j.z), layer_prefix="layer "),
                         "kinds": (["zscore"] if zf else []) + (["drift"] if df else []),
                         "z": round(z, 2), "ratio_to_baseline": round(math.exp(logn - mean), 3),
                         "growth_steps": int(run)})

@@ -46,7 +46,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .. import collectives, locate
+from .. import collectives, naming
 from .base import CheckContext, Detector, Rotation
 
 log = logging.getLogger("megatron_patches")
@@ -170,7 +170,7 @@ class PeersDetector(Detector):
         # distributed optimizer a rank holds shards of only some tensors, and every rank must
         # number the roles alike.
         if self._model_roles is None:
-            infos = locate.name_parameters(model_chunks).values()
+            infos = naming.name_parameters(model_chunks).values()
             self._model_roles = sorted({role_of(i.name) for i in infos if i.layer is not None})
 
     # --- slow path -------------------------------------------------------------------

@@ -7,7 +7,7 @@ counts each element once the way Megatron's does (shared and tensor-parallel dup
 parameters left out; from 0.19 the parameters of a separate grad-norm group such as MTP too).
 So, with ``serve_norm: true`` (off by default: the guard's sum differs from Megatron's in the
 last bits, and a guarded run should equal an unguarded one bit for bit), the ``get_grad_norm``
-wrapper (:func:`megatron_patches.hooks.get_grad_norm_wrapper`) hands that total back instead of
+wrapper (:func:`megatron_patches.seams.wrappers.get_grad_norm_wrapper`) hands that total back instead of
 recomputing it, when all of these hold, and runs Megatron's own code otherwise:
 
 - a monitor is active and checked the gradients of this step (with ``check_interval`` > 1 the
@@ -37,9 +37,9 @@ from typing import Any, Optional
 
 import torch
 
-from .collectives import collective_device
+from ..collectives import collective_device
 from .optimizer_params import current_grads
-from .protocols import Guard
+from ..protocols import Guard
 
 
 @dataclass(frozen=True)

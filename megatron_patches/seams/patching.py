@@ -1,4 +1,4 @@
-"""Install and remove the wrappers declared in :mod:`.registry`.
+"""Install and remove the wrappers declared in :mod:`.targets`.
 
 Wrap, don't replace: each target is wrapped with ``wrapt.FunctionWrapper`` around the raw
 object taken from the owner's ``__dict__`` (so staticmethods, classmethods and subclasses keep
@@ -6,10 +6,10 @@ working). Installing twice adds nothing; uninstalling restores only what is stil
 says who patched on top otherwise.
 
 Beside a patch manager that replaces functions after us (MindSpeed's, see
-:mod:`megatron_patches.integrations.mindspeed`), the first call of any of our wrappers checks
+:mod:`megatron_patches.seams.mindspeed`), the first call of any of our wrappers checks
 that every target still calls the hooks and wraps again what was replaced, saying so in one line;
 MindSpeed's ``apply_patches`` (run again by its ``repatch()``) is followed by the same check.
-Copies of a target bound by name in the modules of :data:`~..integrations.mindspeed.BINDING_MODULES`
+Copies of a target bound by name in the modules of :data:`~.mindspeed.BINDING_MODULES`
 are found by identity and wrapped too.
 """
 
@@ -26,9 +26,9 @@ import wrapt
 
 from .. import versions
 from ..errors import UnsupportedVersionError
-from ..integrations import mindspeed
+from . import mindspeed
 from .marks import _our_wrapper, already_hooked
-from .registry import MEGATRON_CORE_SUPPORTED, TARGETS, TRAINING_TARGETS, PatchTarget
+from .targets import MEGATRON_CORE_SUPPORTED, TARGETS, TRAINING_TARGETS, PatchTarget
 
 log = logging.getLogger("megatron_patches")
 

@@ -25,7 +25,7 @@ from typing import Any, Optional
 from .. import collectives, safe_mode
 from ..errors import UserError
 from ..protocols import Guard
-from ..response import Action, Decision, Severity
+from ..decisions import Action, Decision, Severity
 from .megatron_lm_checkpoints import newest_healthy_iteration, read_tracker, saved_lr_scale, warn0
 
 log = logging.getLogger("megatron_patches")

@@ -10,7 +10,7 @@ disabled``), with no parameter named.
 While a bucket group's check runs on a step the guard checks, each NaN/Inf validation Megatron
 asks for is looked at first, on Megatron's own norm (no extra read). A non-finite one makes this
 rank name the non-finite parameters of the group and raise its origin flag; the validation goes
-to the rerun machine as a non-fatal one (:mod:`~megatron_patches.megatron_rerun`: Megatron reruns
+to the rerun machine as a non-fatal one (:mod:`~megatron_patches.seams.rerun_machine`: Megatron reruns
 the step in place, gives its verdict and carries on; with ``--rerun-mode disabled`` it is kept
 from the machine). The guard's check before clipping then skips the step (or rolls back when the
 fault persists), grading by origin, and the record carries this rank's pre-reduction findings.
@@ -27,11 +27,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import locate
-from .incidents import ParamFinding
+from .. import naming
+from ..incidents import ParamFinding
 from .model_chunks import ModelChunks
 from .optimizer_params import model_grad
-from .protocols import Guard
+from ..protocols import Guard
 
 log = logging.getLogger("megatron_patches")
 
@@ -81,7 +81,7 @@ def check_grads(monitor: Guard, group: Any, call: Callable[[], Any]) -> Any:
                      ", ".join(f"{n:g}" for n in scope.norms))
             return result
         monitor.note_pre_reduction(findings)
-        ranks = locate.rank_info()
+        ranks = naming.rank_info()
         names = ", ".join(f"{f.name} ({'nan' if f.nan else 'inf'} {f.nan or f.inf})" for f in findings) or "none found"
         log.warning("step %d: before the data-parallel reduction: non-finite local gradient on rank %d "
                     "(tp %d, pp %d, dp %d), bucket norm(s) %s: %s; not fatal to Megatron's RerunStateMachine, "
@@ -91,7 +91,7 @@ def check_grads(monitor: Guard, group: Any, call: Callable[[], Any]) -> Any:
     return result
 
 
-def active() -> bool:
+def inside_guarded_check() -> bool:
     """Inside a ``check_grads`` the guard owns."""
     return _scope.get() is not None
 
@@ -116,7 +116,7 @@ def nonfinite_params(chunks: ModelChunks, group: Any) -> list[ParamFinding]:
     """This rank's parameters in ``group`` whose local gradient holds NaN/Inf (the fault path)."""
     params = chunks.group_params(group)
     infos = names_of(chunks, params)
-    ranks, host, device = locate.rank_info(), locate.host(), locate.device_name()
+    ranks, host, device = naming.rank_info(), naming.host(), naming.device_name()
     findings = []
     for param in params:
         grad = model_grad(param)
@@ -152,7 +152,7 @@ def names_of(model_chunks: ModelChunks, params: list) -> dict:
     """Names from the model chunks the optimizer was built for (the chunks holding ``params``)."""
     wanted = {id(p) for p in params}
     for chunks in model_chunks.known():
-        infos = locate.name_parameters(chunks)
+        infos = naming.name_parameters(chunks)
         if wanted & infos.keys():
             return infos
     return {}

@@ -36,9 +36,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import bucket_check, forward_origin
-from .incident_text import expert_text
-from .protocols import Guard
+from . import bucket_norms
+from .. import forward_origin
+from ..incident_text import expert_text
+from ..protocols import Guard
 
 log = logging.getLogger("megatron_patches")
 
@@ -97,13 +98,13 @@ def validate(monitor: Guard, machine: Any, arguments: dict, call: Callable[..., 
     """``validate_result`` with ``arguments`` (bound, without self); ``call(**changes)`` runs
     Megatron's with some arguments changed."""
     rejection = arguments["rejection_func"]
-    if rejection not in (torch.isnan, torch.isinf) or not bucket_check.checks_nonfinite(monitor):
+    if rejection not in (torch.isnan, torch.isinf) or not bucket_norms.checks_nonfinite(monitor):
         return call()
-    check = BUCKET_NORM if bucket_check.active() else LOSS
+    check = BUCKET_NORM if bucket_norms.inside_guarded_check() else LOSS
     mode = str(getattr(machine.get_mode(), "value", machine.get_mode()))
     step, result, message = monitor.upcoming_step(), arguments["result"], arguments["message"]
     if check == BUCKET_NORM:
-        bucket_check.takes_over(result, rejection)  # names the bucket's parameters, raises the origin flag
+        bucket_norms.takes_over(result, rejection)  # names the bucket's parameters, raises the origin flag
     if mode == "disabled":
         # Megatron would only test the result and raise on this rank: test it here, once.
         if _rejects(rejection, result, check):
@@ -138,7 +139,7 @@ def validate(monitor: Guard, machine: Any, arguments: dict, call: Callable[..., 
 def _rejects(rejection: Callable, result: Any, check: str) -> bool:
     """Megatron's own test of the result. A finite bucket norm is known from the bucket check's
     one host read (shared by its NaN and Inf tests); only a non-finite one is read again."""
-    if check == BUCKET_NORM and not bucket_check.takes_over(result, rejection):
+    if check == BUCKET_NORM and not bucket_norms.takes_over(result, rejection):
         return False
     return bool(rejection(result))
 
@@ -162,7 +163,7 @@ def after_should_run(monitor: Guard, machine: Any, again: bool) -> None:
         trace.__exit__(None, None, None)
         first = {"forward": trace.first(), "backward": trace.first_backward()}  # host reads, once per rerun
         watch.first = (step, first) if any(first.values()) else None
-    elif watch.trace is None and in_place and bucket_check.checks_nonfinite(monitor):
+    elif watch.trace is None and in_place and bucket_norms.checks_nonfinite(monitor):
         monitor.routing.restart()  # the rerun routes the step's tokens again
         watch.trace = (monitor.upcoming_step(), forward_origin.ForwardTrace(monitor.model_chunks.modules()).__enter__())
 

@@ -5,8 +5,8 @@ every rank sees the fault. The data-parallel reduction is not the only one: Mega
 ``finalize_model_grads`` all-reduces the gradients of sequence-parallel norm weights over the
 tensor-parallel group and the tied embedding over the pipeline ends, after the data-parallel
 buckets. So wherever the job has more than one rank, the flag is taken before all of them. Before it, a flag per rank says which ranks it came from: one fused norm
-pass per DDP bucket group right before its collective (:mod:`~megatron_patches.grad_sync`), or
-Megatron's own per-bucket norms where :mod:`~megatron_patches.bucket_check` runs, or, for a model
+pass per DDP bucket group right before its collective (:mod:`~megatron_patches.seams.grad_sync`), or
+Megatron's own per-bucket norms where :mod:`~megatron_patches.seams.bucket_norms` runs, or, for a model
 without bucket groups, one fused pass at ``finalize_model_grads``.
 The flags ride on the check's all-reduce as a count; which ranks they were, and the parameters
 they name, are gathered on the slow path only.
@@ -20,17 +20,17 @@ from typing import Optional
 
 import torch
 
-from . import locate
-from .bucket_check import names_of
+from .. import naming
+from .bucket_norms import names_of
 from .model_chunks import ModelChunks
-from .collectives import collective_device
-from .incidents import ParamFinding
+from ..collectives import collective_device
+from ..incidents import ParamFinding
 from .optimizer_params import model_grad
 
 
 def named_grads(chunks: list) -> list[tuple[str, int, torch.Tensor]]:
     """(global name, forward order, gradient) of every parameter of ``chunks`` holding one."""
-    infos = locate.name_parameters(chunks)
+    infos = naming.name_parameters(chunks)
     return [(infos[id(p)].name, infos[id(p)].order, g) for chunk in chunks for p in chunk.parameters()
             if (g := model_grad(p)) is not None and id(p) in infos]
 
@@ -73,16 +73,16 @@ class OriginWatch:
         """At a checked step's reduction: raise the flag from one fused pass over the gradients.
         On a single rank there is nowhere else a fault could have entered: no extra read. Where
         Megatron's bucket check runs, the flag comes from its norms (:meth:`note`)."""
-        if self.active() and not self._bucket_checks:
+        if self.watching() and not self._bucket_checks:
             self._pending.flag, norms = _local_origin_norms(chunks)
             self._pending.norms = [norms] if norms is not None else []
 
     def before_group(self, group: object, params: list, step: int) -> None:
         """A DDP bucket group of a checked ``step`` right before its collective
-        (:mod:`~megatron_patches.grad_sync`): one fused pass over its gradients, kept on the
+        (:mod:`~megatron_patches.seams.grad_sync`): one fused pass over its gradients, kept on the
         device. A group seen again in the same step (a rerun) replaces its pass; passes left
         from a step whose check never ran are dropped."""
-        if not self.active():
+        if not self.watching():
             return
         if self._groups_step != step:
             self._groups, self._groups_step = {}, step
@@ -90,12 +90,12 @@ class OriginWatch:
         if norms is not None:
             self._groups[id(group)] = (held, norms)
 
-    def active(self) -> bool:
+    def watching(self) -> bool:
         """Whether a pass before the reductions can tell anything: on a single rank there is
         nowhere else a fault could have entered. With one data-parallel replica but tensor or
         pipeline parallel ranks, finalize_model_grads' reductions still carry a fault across."""
         if self._world_size is None:
-            self._world_size = locate.world_layout()["size"]
+            self._world_size = naming.world_layout()["size"]
         return self.enabled and self._world_size > 1
 
     def note_bucket_check(self) -> None:
@@ -154,8 +154,8 @@ def _norm_findings(model_chunks: ModelChunks, origin_norms: Optional[tuple]) -> 
     if chunks is None:
         infos = names_of(model_chunks, params)
     else:
-        infos = locate.name_parameters(chunks)
-    ranks, host, device = locate.rank_info(), locate.host(), locate.device_name()
+        infos = naming.name_parameters(chunks)
+    ranks, host, device = naming.rank_info(), naming.host(), naming.device_name()
     findings = []
     for param, norm in zip(params, norms.tolist()):
         if math.isfinite(norm):

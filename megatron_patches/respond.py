@@ -1,5 +1,5 @@
 """The respond stage: every rank's findings to rank 0, which grades the incident and assembles
-it, then the :class:`~megatron_patches.response.Decision` back to every rank.
+it, then the :class:`~megatron_patches.decisions.Decision` back to every rank.
 
 Both collectives are bounded (``response.peer_timeout_s``): a peer lost between them raises
 :class:`~megatron_patches.collectives.PeerLost` on the ranks still alive, and
@@ -14,12 +14,12 @@ import os
 import sys
 from typing import Any, Callable, Optional
 
-from . import locate
+from . import naming
 from .check import Verdict
 from .collectives import broadcast_from_zero, gather_to_zero
+from .decisions import EXIT_PEER_LOST, Action, Decision, GradePolicy, Severity
 from .findings import assemble, first_name, local_findings, origins_of
 from .incidents import Incident, finite_or_none
-from .response import EXIT_PEER_LOST, Action, Decision, GradePolicy, Severity
 
 log = logging.getLogger("megatron_patches")
 
@@ -27,10 +27,13 @@ log = logging.getLogger("megatron_patches")
 class Responder:
     """Rank 0's grading (:class:`GradePolicy`) and the collectives around it."""
 
-    def __init__(self, config: Any, detectors: list, peers: Any):
+    def __init__(self, config: Any, detectors: list, peers: Any,
+                 megatron_fields: Callable[[list, dict], tuple[dict, str]]):
         """``peers``: the guard's :class:`~megatron_patches.collectives.BoundedGroup`; no rank waits
-        on another longer than ``response.peer_timeout_s`` while they agree."""
+        on another longer than ``response.peer_timeout_s`` while they agree. ``megatron_fields``:
+        the record's fields from Megatron's loss check and rerun (``Seams.record_fields``)."""
         self.config = config
+        self.megatron_fields = megatron_fields
         self.detectors = detectors
         self.peers = peers
         self.policy = GradePolicy(config)
@@ -40,7 +43,7 @@ class Responder:
         """Call on every rank with this rank's ``part`` (findings, batch, ranks, pre_reduction,
         origin, checked, injected). Returns the decision everywhere and the incident on rank 0.
         ``cause``: what made the step an incident beside the gradients (a
-        :class:`~megatron_patches.loss_scale.ScalerEvent`), the same on every rank."""
+        :class:`~megatron_patches.seams.loss_scale.ScalerEvent`), the same on every rank."""
         ctx = verdict.ctx
         decision, incident = None, None
         everyone = gather_to_zero(part, self.peers)
@@ -67,7 +70,7 @@ class Responder:
         extra: dict[str, Any] = {}
         for detector in self.detectors:
             extra.update(detector.extra(ctx, verdict.reduced[detector.name]))
-        incident = assemble(ctx, everyone, verdict.kinds, extra, decision, batch_info, cause)
+        incident = assemble(ctx, everyone, verdict.kinds, extra, decision, batch_info, self.megatron_fields, cause)
         log.warning("step %d: %s: %s -> %s (%s)", ctx.step, decision.severity, incident.message,
                     decision.action, decision.reason)
         return decision, incident
@@ -88,7 +91,7 @@ def _fallback_incident(verdict: Verdict, decision: Decision) -> Optional[Inciden
     try:
         return Incident(step=decision.step, decision=decision, kind="guard_error", kinds=("guard_error",),
                         message=decision.reason, params=(), first=None, ranks_affected=(),
-                        world=locate.world_layout(), total_norm=finite_or_none(verdict.ctx.total_norm))
+                        world=naming.world_layout(), total_norm=finite_or_none(verdict.ctx.total_norm))
     except Exception:
         log.exception("step %d: no record could be made of this incident", decision.step)
         return None

@@ -1,6 +1,6 @@
 """Megatron-LM's training loop (``pretrain_gpt.py``): iterations, batches, exit-and-restart.
 
-Three wrappers, declared in :mod:`megatron_patches.patching.registry` as optional targets
+Three wrappers, declared in :mod:`megatron_patches.seams.targets` as optional targets
 (``megatron.training`` exists only in a Megatron-LM checkout):
 
 - ``get_optimizer_param_scheduler``: runs once, after the optimizer is built and before the
@@ -40,12 +40,11 @@ import logging
 import math
 from typing import Any, Optional
 
-from .. import collectives, hooks
+from .. import collectives
+from . import wrappers
 from . import mindspeed_llm
-from .megatron_lm_checkpoints import (STATE_DIR, TRACKER_FILE, CheckpointMarks, newest_healthy_iteration,
-                                      read_tracker, saved_lr_scale, state_file, warn0, write_marker)
-from .megatron_lm_rollback import (Rollback, built_model_facts, core_version, skip_iterations,
-                                   switch_off_for_retry, to_iterations_to_skip)
+from .megatron_lm_checkpoints import STATE_DIR, TRACKER_FILE, CheckpointMarks, newest_healthy_iteration, read_tracker, saved_lr_scale, state_file, warn0, write_marker
+from .megatron_lm_rollback import Rollback, built_model_facts, core_version, skip_iterations, switch_off_for_retry, to_iterations_to_skip
 from ..errors import UserError, exit_refused
 from ..protocols import Guard
 
@@ -194,7 +193,7 @@ def _refuse_unsupported(args: Any, optimizer: Any = None) -> None:
     even build on this machine) and again on the built optimizer."""
     from .. import variants
     from ..errors import UnsupportedConfig
-    from ..optimizer_params import leaves
+    from .optimizer_params import leaves
 
     from .mindspeed import refuse_unchecked_paths
 
@@ -235,7 +234,7 @@ def session(monitor: Any) -> MegatronLMSession:
 
 def scheduler_wrapper(wrapped, instance, args, kwargs):
     """``get_optimizer_param_scheduler(optimizer)``: apply the ledger before the scheduler exists."""
-    monitor = hooks.get_monitor()
+    monitor = wrappers.get_monitor()
     if monitor is not None:
         bound = inspect.signature(wrapped).bind(*args, **kwargs)
         session(monitor).before_scheduler(bound.arguments["optimizer"])
@@ -245,7 +244,7 @@ def scheduler_wrapper(wrapped, instance, args, kwargs):
 def setup_model_wrapper(wrapped, instance, args, kwargs):
     """``setup_model_and_optimizer(...)``: safe mode on retry, on Megatron's args before the model
     and optimizer are built; then one line of what the built model shows of it."""
-    monitor = hooks.get_monitor()
+    monitor = wrappers.get_monitor()
     if monitor is None:
         return wrapped(*args, **kwargs)
     from megatron.training import get_args
@@ -262,7 +261,7 @@ def train_step_wrapper(wrapped, instance, args, kwargs):
     """``train_step(...)``: iteration and batch for the monitor; writers after the step. Called for
     an iteration in ``iterations_to_skip`` (MindSpeed-LLM's loop does not read them), skips it
     as Megatron-LM's loop would (:mod:`.mindspeed_llm`)."""
-    monitor = hooks.get_monitor()
+    monitor = wrappers.get_monitor()
     if monitor is None:
         return wrapped(*args, **kwargs)
     from megatron.training import get_args
@@ -285,7 +284,7 @@ def should_checkpoint_and_exit_wrapper(wrapped, instance, args, kwargs):
     before Megatron saves and exits."""
     state = getattr(getattr(instance, "state", None), "name", "unknown state")
     answer = wrapped(*args, **kwargs)
-    monitor = hooks.get_monitor()
+    monitor = wrappers.get_monitor()
     if monitor is not None and answer[1] and answer[2]:
         session(monitor).megatron_exits(int(answer[2]), state)
     return answer
@@ -294,7 +293,7 @@ def should_checkpoint_and_exit_wrapper(wrapped, instance, args, kwargs):
 def save_checkpoint_wrapper(wrapped, instance, args, kwargs):
     """``save_checkpoint(iteration, model, ...)``: the healthy marker once the save returned."""
     result = wrapped(*args, **kwargs)
-    monitor = hooks.get_monitor()
+    monitor = wrappers.get_monitor()
     if monitor is not None:
         bound = inspect.signature(wrapped).bind(*args, **kwargs)
         session(monitor).after_save(bound.arguments["iteration"], bound.arguments["model"],

@@ -11,13 +11,13 @@ reduced data (the owner of a NaN shard looks like a second origin).
 So for models made of DDP chunks the guard acts per group, right before the wrapped
 ``start_grad_sync`` (before its collective, and before ``gradient_scaling_factor`` scales the
 buffer), on the groups Megatron's own check does not cover for the guard (its check off, or a
-step :func:`megatron_patches.bucket_check.owns` leaves alone; where it owns the step,
-:mod:`~megatron_patches.bucket_check` does the same from Megatron's norms):
+step :func:`megatron_patches.seams.bucket_norms.owns` leaves alone; where it owns the step,
+:mod:`~megatron_patches.seams.bucket_norms` does the same from Megatron's norms):
 
 - ``phase=local`` drills due now are fired into this group's gradients;
 - on a step the guard checks, with more than one data-parallel replica, one fused
   ``torch._foreach_norm`` over the group's gradients feeds this rank's origin flag
-  (:meth:`megatron_patches.origin.OriginWatch.before_group`); nothing is read on the host.
+  (:meth:`megatron_patches.seams.origin.OriginWatch.before_group`); nothing is read on the host.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any, Callable
 
 import torch
 
-from . import bucket_check
-from .patching.marks import already_hooked
+from . import bucket_norms
+from .marks import already_hooked
 
 def start_grad_sync(monitor: Any, group: Any, call: Callable[[], Any]) -> Any:
     """Run ``start_grad_sync`` for ``group`` after this rank's part before the collective."""
@@ -36,7 +36,7 @@ def start_grad_sync(monitor: Any, group: Any, call: Callable[[], Any]) -> Any:
     # absent before): nothing to do then, the collective is already under way.
     if not (getattr(group, "is_first_batch", False) and group.grad_reduce_handle is not None):
         ddp_config = group.ddp_config
-        if not bucket_check.owns(monitor, ddp_config.check_for_nan_in_grad):
+        if not bucket_norms.owns(monitor, ddp_config.check_for_nan_in_grad):
             _before_collective(monitor, group)
     return call()
 
@@ -44,13 +44,13 @@ def start_grad_sync(monitor: Any, group: Any, call: Callable[[], Any]) -> Any:
 def _before_collective(monitor: Any, group: Any) -> None:
     step = monitor.upcoming_step()
     drills = bool(monitor.drills) and bool(monitor.drills.due(step, "local", monitor.rank))
-    origin = step % monitor.config.check_interval == 0 and monitor.origin.active()
+    origin = step % monitor.config.check_interval == 0 and monitor.origin.watching()
     if not (drills or origin):  # one replica, a step not checked: nothing is read
         return
     params = monitor.model_chunks.group_params(group)
     _wait_for_replayed_grads(params)
     if drills:
-        bucket_check.fire_local_drills(monitor, params)
+        bucket_norms.fire_local_drills(monitor, params)
     if origin:
         monitor.origin.before_group(group, params, step)
 

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import locate, variants
+from .. import naming, variants
 
 
 @dataclass
@@ -23,7 +23,7 @@ class Entry:
 
     main: torch.Tensor
     model: torch.Tensor
-    info: locate.ParamInfo
+    info: naming.ParamInfo
     shard: bool
     weight: float
     """Factor on its squared norm so that the world-wide sum counts each element once."""
@@ -61,9 +61,9 @@ def uses_decoupled_grad(leaf: Any) -> bool:
 def build_entries(optimizer: Any, model_chunks: list) -> tuple[list[Entry], int]:
     """Entries of every parameter ``optimizer`` steps on this rank, and the number of per-layer
     slots (transformer layers, embedding, output side)."""
-    infos = locate.name_parameters(model_chunks)
-    num_layers = max((locate.num_layers(c) for c in model_chunks), default=0)
-    ps = locate._parallel_state()
+    infos = naming.name_parameters(model_chunks)
+    num_layers = max((naming.num_layers(c) for c in model_chunks), default=0)
+    ps = naming._parallel_state()
     dense_dp = ps.get_data_parallel_world_size(with_context_parallel=True) if ps else 1
     expert_dp = ps.get_expert_data_parallel_world_size() if ps and hasattr(ps, "get_expert_data_parallel_world_size") else 1
     entries = []
@@ -72,7 +72,7 @@ def build_entries(optimizer: Any, model_chunks: list) -> tuple[list[Entry], int]
         # Distributed-optimizer shards are held once per optimizer instance (usually one).
         instances = int(getattr(getattr(leaf, "ddp_config", None), "num_distributed_optimizer_instances", 1) or 1)
         for index, (main, model, shard) in enumerate(param_pairs(leaf)):
-            info = infos.get(id(model)) or locate.ParamInfo(
+            info = infos.get(id(model)) or naming.ParamInfo(
                 name=f"unnamed[{index}] {tuple(model.shape)}", layer=None, order=index, counts_in_norm=True)
             if getattr(model, "grad_norm_group", None) is not None:
                 # 0.19+: clipped with a norm of its own (MTP), left out of the main norm Megatron
@@ -80,7 +80,7 @@ def build_entries(optimizer: Any, model_chunks: list) -> tuple[list[Entry], int]
                 info = dataclasses.replace(info, counts_in_norm=False)
             replicas = instances if shard else (dense_dp if getattr(model, "allreduce", True) else expert_dp)
             weight = (1.0 / replicas) if info.counts_in_norm else 0.0
-            entries.append(Entry(main, model, info, shard, weight, locate.slot_index(info, num_layers)))
+            entries.append(Entry(main, model, info, shard, weight, naming.slot_index(info, num_layers)))
     return entries, num_layers + 2
 
 

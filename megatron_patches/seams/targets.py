@@ -25,7 +25,7 @@ class PatchTarget:
     """Attribute path inside the module, e.g. ``FP32Optimizer.prepare_grads``."""
     wrapper: str
     """Dotted name of a wrapt-style wrapper ``(wrapped, instance, args, kwargs)``, e.g.
-    ``megatron_patches.hooks.prepare_grads_wrapper``: resolved when installed (:meth:`resolve`), so
+    ``megatron_patches.seams.wrappers.prepare_grads_wrapper``: resolved when installed (:meth:`resolve`), so
     the registry imports none of the code it wires."""
     why: str
     versions: str = MEGATRON_CORE_SUPPORTED
@@ -53,48 +53,48 @@ TARGETS: tuple[PatchTarget, ...] = (
     PatchTarget(
         _OPT,
         "ChainedOptimizer.prepare_grads",
-        "megatron_patches.hooks.prepare_grads_wrapper",
+        "megatron_patches.seams.wrappers.prepare_grads_wrapper",
         "get_megatron_optimizer returns a ChainedOptimizer; checking once over all its leaves "
         "costs one collective per step instead of one per leaf. Returning True skips the step.",
     ),
     PatchTarget(
         _OPT,
         "MixedPrecisionOptimizer.prepare_grads",
-        "megatron_patches.hooks.prepare_grads_wrapper",
+        "megatron_patches.seams.wrappers.prepare_grads_wrapper",
         "Last point before clipping for Float16 and distributed optimizers used without a chain; "
         "in bf16 nothing else checks these gradients.",
     ),
     PatchTarget(
         _OPT,
         "FP32Optimizer.prepare_grads",
-        "megatron_patches.hooks.prepare_grads_wrapper",
+        "megatron_patches.seams.wrappers.prepare_grads_wrapper",
         "Last point before clipping for fp32 training; never checks for NaN upstream.",
     ),
     PatchTarget(
         _OPT,
         "MegatronOptimizer.clip_grad_norm",
-        "megatron_patches.hooks.clip_grad_norm_wrapper",
+        "megatron_patches.seams.wrappers.clip_grad_norm_wrapper",
         "Callers that clip through clip_grad_norm without prepare_grads still get a check.",
     ),
     PatchTarget(
         _OPT,
         "ChainedOptimizer.get_grad_norm",
-        "megatron_patches.hooks.get_grad_norm_wrapper",
+        "megatron_patches.seams.wrappers.get_grad_norm_wrapper",
         "ChainedOptimizer.step takes the clipping norm from here right after prepare_grads: on a "
-        "checked step the guard's own pass already holds it (megatron_patches.served_norm), so "
+        "checked step the guard's own pass already holds it (megatron_patches.seams.served_norm), so "
         "Megatron's second read of every gradient, its all-reduce and its host read are left out.",
     ),
     PatchTarget(
         _OPT,
         "MegatronOptimizer.get_grad_norm",
-        "megatron_patches.hooks.get_grad_norm_wrapper",
+        "megatron_patches.seams.wrappers.get_grad_norm_wrapper",
         "The same for a leaf asked directly after its own checked prepare_grads (a loop without a "
         "chain). A leaf's own step() clips through clip_grad_norm, which stays stock.",
     ),
     PatchTarget(
         "megatron.core.optimizer",
         "get_megatron_optimizer",
-        "megatron_patches.hooks.get_optimizer_wrapper",
+        "megatron_patches.seams.wrappers.get_optimizer_wrapper",
         "The one call that sees both the model chunks and the optimizer: parameter names come from here.",
         # Megatron-LM's training.py imports it by name: patch that binding too when it came first.
         aliases=("megatron.training.training",),
@@ -102,7 +102,7 @@ TARGETS: tuple[PatchTarget, ...] = (
     PatchTarget(
         "megatron.core.distributed.finalize_model_grads",
         "finalize_model_grads",
-        "megatron_patches.hooks.finalize_model_grads_wrapper",
+        "megatron_patches.seams.wrappers.finalize_model_grads_wrapper",
         "Runs before the data-parallel gradient reduction of a model without DDP bucket groups: "
         "phase=local drills and the origin pass go in here for it (DDP chunks: at start_grad_sync).",
         aliases=("megatron.core.distributed", "megatron.training.training"),
@@ -110,46 +110,46 @@ TARGETS: tuple[PatchTarget, ...] = (
     PatchTarget(
         "megatron.core.distributed.param_and_grad_buffer",
         "_ParamAndGradBucketGroup.check_grads",
-        "megatron_patches.hooks.check_grads_wrapper",
+        "megatron_patches.seams.wrappers.check_grads_wrapper",
         "Megatron's own NaN/Inf check (--check-for-nan-in-loss-and-grad, on by default) takes each "
         "bucket's local norm right before its data-parallel collective and hands a non-finite one to "
         "the RerunStateMachine, which ends the job (exit 16/17) naming no parameter. The guard names "
-        "the bucket's parameters on the origin rank and owns the fault (megatron_patches.bucket_check).",
+        "the bucket's parameters on the origin rank and owns the fault (megatron_patches.seams.bucket_norms).",
     ),
     PatchTarget(
         "megatron.core.distributed.param_and_grad_buffer",
         "_ParamAndGradBucketGroup.start_grad_sync",
-        "megatron_patches.hooks.start_grad_sync_wrapper",
+        "megatron_patches.seams.wrappers.start_grad_sync_wrapper",
         "Where each bucket group's data-parallel collective starts: during backward under "
         "--overlap-grad-reduce (interleaved pipelines through grad_sync_func), long before "
         "finalize_model_grads. With Megatron's check off (or on a step it keeps), phase=local drills "
         "and the origin flag's fused pass go in here, before the collective reads the buffer "
-        "(megatron_patches.grad_sync).",
+        "(megatron_patches.seams.grad_sync).",
     ),
     PatchTarget(
         "megatron.core.rerun_state_machine",
         "RerunStateMachine.validate_result",
-        "megatron_patches.hooks.validate_result_wrapper",
+        "megatron_patches.seams.wrappers.validate_result_wrapper",
         "Where Megatron's NaN/Inf checks (bucket norms in check_grads, the loss in Megatron-LM's "
         "loss function) end the job: on the steps the guard checks they are not fatal, so Megatron "
         "reruns the step in place, gives its verdict (kept for the record) and carries on; the "
-        "guard decides on the step (megatron_patches.megatron_rerun).",
+        "guard decides on the step (megatron_patches.seams.rerun_machine).",
     ),
     PatchTarget(
         "megatron.core.rerun_state_machine",
         "RerunStateMachine.should_run_forward_backward",
-        "megatron_patches.hooks.should_run_forward_backward_wrapper",
+        "megatron_patches.seams.wrappers.should_run_forward_backward_wrapper",
         "Where Megatron starts and ends its rerun of a step in place: on a checked step the guard "
         "watches that rerun's forward pass for the first non-finite module output "
-        "(megatron_patches.megatron_rerun, forward_origin).",
+        "(megatron_patches.seams.rerun_machine, forward_origin).",
     ),
     PatchTarget(
         "megatron.core.rerun_state_machine",
         "RerunStateMachine.should_checkpoint_and_exit",
-        "megatron_patches.integrations.megatron_lm.should_checkpoint_and_exit_wrapper",
+        "megatron_patches.seams.megatron_lm.should_checkpoint_and_exit_wrapper",
         "Where Megatron's rerun machine decides to end the job itself (exit 16: resume from its "
         "checkpoint to disambiguate; 17: validation failed), on steps the guard does not own: the "
-        "exit goes into the rollback ledger (megatron_patches.integrations.megatron_lm).",
+        "exit goes into the rollback ledger (megatron_patches.seams.megatron_lm).",
     ),
 )
 
@@ -159,7 +159,7 @@ TRAINING_TARGETS: tuple[PatchTarget, ...] = (
     PatchTarget(
         _TRAINING,
         "train_step",
-        "megatron_patches.integrations.megatron_lm.train_step_wrapper",
+        "megatron_patches.seams.megatron_lm.train_step_wrapper",
         "Megatron-LM's loop runs one train_step per iteration: incidents get its iteration number, "
         "batch position and, after a rollback restart, the learning rate fixed after the load.",
         required=False,
@@ -167,7 +167,7 @@ TRAINING_TARGETS: tuple[PatchTarget, ...] = (
     PatchTarget(
         _TRAINING,
         "setup_model_and_optimizer",
-        "megatron_patches.integrations.megatron_lm.setup_model_wrapper",
+        "megatron_patches.seams.megatron_lm.setup_model_wrapper",
         "Called once, after Megatron parsed its args and before it builds the model: safe mode on "
         "retry switches off the features the ledger lists (recovery.disable_features) here.",
         required=False,
@@ -175,7 +175,7 @@ TRAINING_TARGETS: tuple[PatchTarget, ...] = (
     PatchTarget(
         _TRAINING,
         "get_optimizer_param_scheduler",
-        "megatron_patches.integrations.megatron_lm.scheduler_wrapper",
+        "megatron_patches.seams.megatron_lm.scheduler_wrapper",
         "Called once, after the optimizer is built and before the checkpoint is loaded: "
         "exit-and-restart recovery reads its ledger and adjusts args (checkpoint, lr, skips) here.",
         required=False,
@@ -183,7 +183,7 @@ TRAINING_TARGETS: tuple[PatchTarget, ...] = (
     PatchTarget(
         "megatron.training.checkpointing",
         "save_checkpoint",
-        "megatron_patches.integrations.megatron_lm.save_checkpoint_wrapper",
+        "megatron_patches.seams.megatron_lm.save_checkpoint_wrapper",
         "Marks each Megatron-LM checkpoint healthy or not (megatron_patches.json in iter_N/), "
         "so a rollback restarts from the newest healthy one.",
         aliases=(_TRAINING,),
