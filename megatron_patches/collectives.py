@@ -78,6 +78,35 @@ def gather_to_zero(obj: Any, bounded: Optional[BoundedGroup] = None) -> list:
     return out or []
 
 
+def gather_reports(obj: Any, reports: bool, bounded: BoundedGroup, tally: int = 0) -> tuple[list, int]:
+    """Rank 0: ``obj`` of each rank that ``reports``, in rank order (every rank's when none does),
+    and ``tally`` summed over every rank; ``([], total)`` elsewhere. One all-gather of two integers
+    per rank tells every rank who sends; then only those ranks send their object to rank 0, one
+    message each. What rank 0 takes in grows with the ranks an incident touched, not with the job
+    (:func:`gather_to_zero` takes an object from every rank). Bounded like :func:`gather_to_zero`."""
+    if _single():
+        return [obj], tally
+    try:
+        mine = torch.tensor([1 if reports else 0, tally], dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(world_size())]
+        torch.distributed.all_gather(every, mine, group=bounded.group)
+        total = sum(int(t[1]) for t in every)
+        senders = [r for r, t in enumerate(every) if int(t[0])] or list(range(world_size()))
+        if rank() != 0:
+            if rank() in senders:
+                torch.distributed.send_object_list([obj], dst=0, group=bounded.group)
+            return [], total
+        out = []
+        for sender in senders:
+            box = [obj]
+            if sender != 0:
+                torch.distributed.recv_object_list(box, src=sender, group=bounded.group)
+            out.append(box[0])
+        return out, total
+    except (RuntimeError, ValueError) as error:  # gloo: "Connection closed by peer", "Timed out"
+        raise PeerLost(f"gathering the reports of an incident failed: {error}") from error
+
+
 def broadcast_from_zero(obj: Any, bounded: Optional[BoundedGroup] = None) -> Any:
     """Rank 0's ``obj`` on every rank, bounded like :func:`gather_to_zero`."""
     if _single():
@@ -90,6 +119,15 @@ def broadcast_from_zero(obj: Any, bounded: Optional[BoundedGroup] = None) -> Any
             raise
         raise PeerLost(f"the broadcast from rank 0 failed: {error}") from error
     return box[0]
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (one all-reduce of one value; every rank calls it)."""
+    if _single():
+        return bool(flag)
+    value = torch.tensor([1.0 if flag else 0.0], device=collective_device())
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def all_gather_floats(values: list[float], device: Optional[torch.device] = None) -> list[list[float]]:

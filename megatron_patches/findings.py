@@ -75,6 +75,16 @@ def first_name(findings: list[ParamFinding]) -> Optional[str]:
     return max(findings, key=lambda f: f.order).name if findings else None
 
 
+def reports(part: dict) -> bool:
+    """Whether this rank's part of an incident goes to rank 0 (:func:`~megatron_patches.collectives.gather_reports`):
+    it found something, the fault entered here, Megatron rejected something here, a drill fired
+    here, or a router's probabilities went non-finite here. A rank with none of these adds nothing
+    to the record, and neither it nor its scene is needed."""
+    routing = part.get("moe_routing") or {}
+    return bool(part["findings"] or part["pre_reduction"] or part["origin"] or part.get("megatron")
+                or part["injected"] or any(not seen["router_finite"] for seen in routing.values()))
+
+
 def origins_of(everyone: list) -> tuple[list[int], int]:
     """(global ranks whose own gradients were non-finite before the reduction, how many
     independent replicas they are) from every rank's gathered part.
@@ -134,9 +144,10 @@ def describe(kind: str, findings: list[ParamFinding], total_norm: float,
 
 
 def assemble(ctx: CheckContext, everyone: list, kinds: list, extra: dict, decision: Decision,
-             batch_info: dict, megatron_fields: Callable[[list, dict], tuple[dict, str]],
+             batch_info: dict, megatron_fields: Callable[[list, dict], tuple[dict, str]], checked: int,
              cause: Optional[Any] = None) -> Incident:
-    """Rank 0: the incident from every rank's gathered part and the decision on it. ``extra``:
+    """Rank 0: the incident from the gathered parts of the ranks that report (:func:`reports`) and
+    the decision on it. ``checked``: gradients checked on every rank together. ``extra``:
     the fields the detectors add to the record. ``megatron_fields``: the fields and message note
     from Megatron's loss check and rerun (``Seams.record_fields``). ``cause``: an event that made the step an
     incident beside its gradients (``kind``, ``why``, ``record_field()``: the loss scaler's); it
@@ -161,7 +172,6 @@ def assemble(ctx: CheckContext, everyone: list, kinds: list, extra: dict, decisi
         message = f"{cause.why}: {message}"
     if before:
         extra["pre_reduction"] = [f.as_record() for f in before]
-    checked = sum(part["checked"] for part in everyone)
     if checked and sum(1 for f in found if f.nan or f.inf) >= checked:
         # Backward spreads a broken forward pass to every gradient; the tensor nearest the
         # output comes first in backward order, but it is where the fault arrived last.

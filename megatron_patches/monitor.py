@@ -33,7 +33,7 @@ from .collectives import PeerLost
 from .config import Config
 from .decisions import Action, Decision, exit_code
 from .errors import exit_refused
-from .findings import local_findings
+from .findings import local_findings, reports
 from .incidents import Incident, Outcome
 from .moe_routing import RoutingWatch
 from .protocols import Seams
@@ -277,7 +277,7 @@ class GradMonitor:
             os.kill(os.getpid(), signal.SIGKILL)
         part = {"findings": findings, "batch": self._batch, "ranks": naming.rank_info(),
                 "megatron": self.rerun.part(ctx.step),  # Megatron's loss check and rerun verdict
-                "pre_reduction": pre_reduction, "origin": own_origin, "checked": len(ctx.entries),
+                "pre_reduction": pre_reduction, "origin": own_origin,
                 "injected": self.drills.fired_at(ctx.step), "moe_routing": self.routing.share(ctx.step)}
         try:
             decision, incident = self.responder.agree(verdict, action, part, self._batch_info, self.rollbacks,
@@ -290,7 +290,9 @@ class GradMonitor:
         if decision.action == Action.SKIP_STEP:
             self.counters["skipped_steps"] += 1
         captured = None
-        if self.config.scene.enabled and decision.severity.at_least(self.config.scene.min_severity):
+        # Rank 0's scene holds the incident's summary; another rank writes one only where it reports.
+        if (self.config.scene.enabled and decision.severity.at_least(self.config.scene.min_severity)
+                and (self.rank == 0 or reports(part))):
             captured = self._capture_scene(verdict, findings)  # captured now, whenever it is written
         if incident is not None and captured is not None:  # rank 0: the scene goes in before the freeze
             incident = dataclasses.replace(incident, scene=os.path.dirname(captured[0]))

@@ -16,9 +16,9 @@ from typing import Any, Callable, Optional
 
 from . import naming
 from .check import Verdict
-from .collectives import broadcast_from_zero, gather_to_zero
+from .collectives import broadcast_from_zero, gather_reports
 from .decisions import EXIT_PEER_LOST, Action, Decision, GradePolicy, Severity
-from .findings import assemble, first_name, local_findings, origins_of
+from .findings import assemble, first_name, local_findings, origins_of, reports
 from .incidents import Incident, finite_or_none
 
 log = logging.getLogger("megatron_patches")
@@ -41,15 +41,18 @@ class Responder:
     def agree(self, verdict: Verdict, action: Action, part: dict, batch_info: dict, rollbacks: int,
               can_replay: bool, cause: Optional[Any] = None) -> tuple[Decision, Optional[Incident]]:
         """Call on every rank with this rank's ``part`` (findings, batch, ranks, pre_reduction,
-        origin, checked, injected). Returns the decision everywhere and the incident on rank 0.
+        origin, injected, megatron, moe_routing). Rank 0 takes in the parts of the ranks that
+        report (:func:`~megatron_patches.findings.reports`), not every rank's. Returns the decision
+        everywhere and the incident on rank 0.
         ``cause``: what made the step an incident beside the gradients (a
         :class:`~megatron_patches.seams.loss_scale.ScalerEvent`), the same on every rank."""
         ctx = verdict.ctx
         decision, incident = None, None
-        everyone = gather_to_zero(part, self.peers)
+        everyone, checked = gather_reports(part, reports(part), self.peers, tally=len(ctx.entries))
         if everyone:  # rank 0
             try:
-                decision, incident = self._decide(verdict, everyone, action, batch_info, rollbacks, can_replay, cause)
+                decision, incident = self._decide(verdict, everyone, checked, action, batch_info, rollbacks,
+                                                  can_replay, cause)
             except Exception as error:
                 log.exception("step %d: the guard failed while deciding on an incident", ctx.step)
                 decision = Decision(Severity.CRITICAL, Action.STOP, "the guard failed while deciding on "
@@ -58,8 +61,8 @@ class Responder:
                 incident = _fallback_incident(verdict, decision)
         return broadcast_from_zero(decision, self.peers), incident
 
-    def _decide(self, verdict: Verdict, everyone: list, action: Action, batch_info: dict, rollbacks: int,
-                can_replay: bool, cause: Optional[Any]) -> tuple[Decision, Incident]:
+    def _decide(self, verdict: Verdict, everyone: list, checked: int, action: Action, batch_info: dict,
+                rollbacks: int, can_replay: bool, cause: Optional[Any]) -> tuple[Decision, Incident]:
         """Rank 0: grade the incident from every rank's findings and assemble it."""
         ctx = verdict.ctx
         origins, replicas = origins_of(everyone)
@@ -70,7 +73,8 @@ class Responder:
         extra: dict[str, Any] = {}
         for detector in self.detectors:
             extra.update(detector.extra(ctx, verdict.reduced[detector.name]))
-        incident = assemble(ctx, everyone, verdict.kinds, extra, decision, batch_info, self.megatron_fields, cause)
+        incident = assemble(ctx, everyone, verdict.kinds, extra, decision, batch_info, self.megatron_fields, checked,
+                            cause)
         log.warning("step %d: %s: %s -> %s (%s)", ctx.step, decision.severity, incident.message,
                     decision.action, decision.reason)
         return decision, incident
@@ -82,7 +86,8 @@ class Responder:
         first = None
         if verdict.flagged:
             mine = local_findings(self.config, self.detectors, verdict.ctx, verdict.maxabs, verdict.total_over)
-            first = first_name([f for part in gather_to_zero(mine, self.peers) for f in part])
+            parts, _ = gather_reports(mine, bool(mine), self.peers)
+            first = first_name([f for part in parts for f in part])
         return broadcast_from_zero({"flagged": verdict.flagged, "first": first}, self.peers)
 
 

@@ -88,3 +88,22 @@ def test_bench_reports_every_variant_host_reads_and_targets(tmp_path):
     for t in targets.values():
         assert isinstance(t["met"], bool) and t["limit"] >= 0 and t["verdict"], t
     assert targets[("1 rank", "default_extra_read_passes")]["met"]
+
+
+@pytest.mark.multiproc
+def test_the_scale_simulation_counts_what_an_incident_costs_rank_zero_and_the_disk(tmp_path):
+    """``scripts/bench_scale.py`` on four ranks (docs/bench.md has its run at 8-64): a fault on one
+    rank sends one part to rank 0 and writes two scenes (rank 0's summary, rank 1's); a fault on
+    every rank sends every part and writes a scene per rank. Counts, not times."""
+    out = tmp_path / "scale.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_scale.py"), "--ranks", "4",
+                           "--out", str(out)], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    one, every = json.loads(out.read_text())
+    assert (one["ranks"], one["case"], every["case"]) == (4, "one", "every")
+    assert 0 < one["bytes_to_rank0"] < one["bytes_if_every_rank_sent"] / 2
+    assert every["bytes_to_rank0"] == every["bytes_if_every_rank_sent"]
+    assert (one["scene_ranks"], every["scene_ranks"]) == (2, 4)
+    assert 1 < one["files"] < every["files"]  # incidents.jsonl and the scenes' files
+    assert all(row["incident_step_s"] > 0 and row["clean_step_s"] > 0 for row in (one, every))

@@ -62,6 +62,23 @@ def test_tp2_nan_on_tensor_parallel_rank_1(tmp_path):
 
 
 @pytest.mark.multiproc
+def test_tp2_dp2_only_the_ranks_a_fault_reached_report_it_and_write_scenes(tmp_path):
+    """TP2 x DP2 on four ranks, a NaN in rank 1's own shard before the data-parallel reduction:
+    it reaches rank 3 (rank 1's replica) and neither rank 0 nor rank 2 (the other tensor-parallel
+    shard). Rank 0 takes in the parts of ranks 1 and 3 only; ranks 1 and 3 write their scenes, rank 0
+    the summary, rank 2 nothing (issue 25: the slow path grows with the ranks a fault reached)."""
+    name = "decoder.layers.0.mlp.linear_fc1.weight"
+    run = run_tiny(tmp_path, "--steps", "10", "--tp", "2",
+                   "--inject", f"nan:step=4,param={name},rank=1,phase=local", nproc=4)
+    record = assert_caught(run, step=4, name=name, layer=0, ranks={"global": 1, "tp": 1, "dp": 0})
+    assert record["origin_ranks"] == [1] and sorted(record["ranks_affected"]) == [1, 3]
+    assert len(record["batch"]["samples"]) == 16  # ranks 1 and 3: two replicas of 8 samples each
+    scenes = tmp_path / "scenes" / "step0000004"
+    assert sorted(d.name for d in scenes.iterdir()) == ["rank00000", "rank00001", "rank00003"]
+    assert (scenes / "rank00000" / "incident.json").exists()
+
+
+@pytest.mark.multiproc
 def test_pp2_nan_in_second_stage_uses_global_layer_name(tmp_path):
     # On stage 1 of a 4-layer model this parameter is stage-local "decoder.layers.1...".
     name = "decoder.layers.3.mlp.linear_fc2.weight"

@@ -262,6 +262,43 @@ def test_a_rank_killed_mid_incident_ends_the_others_with_87_within_the_bound(tmp
     assert not (out / "result.json").exists()
 
 
+def _gather_reports_rank() -> int:
+    """One rank of four: ranks 1 and 3 report (their object is a list as long as their rank),
+    every rank tallies 10 + its rank. Rank 0 writes what it took in to $GATHERED; a second round
+    where nobody reports takes every rank's object."""
+    import torch
+
+    from megatron_patches.collectives import BoundedGroup, gather_reports
+
+    torch.distributed.init_process_group("gloo")
+    me = torch.distributed.get_rank()
+    peers = BoundedGroup(30.0)
+    peers.prepare()
+    some = gather_reports({"rank": me, "findings": list(range(me))}, me in (1, 3), peers, tally=10 + me)
+    none = gather_reports({"rank": me}, False, peers, tally=1)
+    if me == 0:
+        with open(os.environ["GATHERED"], "w") as out:
+            json.dump({"some": some, "none": none}, out)
+    else:
+        assert some == ([], 46) and none == ([], 4), (some, none)
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+@pytest.mark.multiproc
+def test_rank_zero_takes_in_the_parts_of_the_reporting_ranks_only(tmp_path, monkeypatch):
+    """The slow path's gather at scale (issue 25): what rank 0 receives is the reporting ranks'
+    parts, one message each; every rank learns the tally; nobody reporting means everyone does."""
+    from conftest import run_forked
+
+    monkeypatch.setenv("GATHERED", str(tmp_path / "gathered.json"))
+    code, output = run_forked(_gather_reports_rank, timeout=120, nproc=4)
+    assert code == 0, output
+    gathered = json.loads((tmp_path / "gathered.json").read_text())
+    assert gathered["some"] == [[{"rank": 1, "findings": [0]}, {"rank": 3, "findings": [0, 1, 2]}], 46]
+    assert gathered["none"] == [[{"rank": r} for r in range(4)], 4]
+
+
 _SILENT_PEER = r"""
 import os, sys, time, torch
 from megatron_patches.collectives import BoundedGroup, PeerLost, gather_to_zero
