@@ -355,6 +355,17 @@ class ExitAndRestart:
             except OSError as error:
                 log.warning("the ledger could not record Megatron's exit %d (%s)", code, error)
 
+    def megatron_rerun_left(self, step: int) -> None:
+        """Megatron's rerun of ``step`` from its checkpoint is left undone (it would repeat on the
+        same node and device): an event that also skips ``step`` at this and every later restart."""
+        self.ledger.events.append({"step": step, "megatron_rerun": "left: same node and device",
+                                   "skip_iterations": [step]})
+        if self.monitor.rank == 0:
+            try:
+                self.ledger.save(self.checkpoint_root)
+            except OSError as error:
+                log.warning("the ledger could not record the skip of iteration %d (%s)", step, error)
+
     def resumed(self, event: dict) -> None:
         """The restart resumed as the ledger asked: the request is done (rank 0 writes it)."""
         self.ledger.rollback_requested = None

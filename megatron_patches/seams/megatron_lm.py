@@ -41,16 +41,15 @@ import math
 from typing import Any, Optional
 
 from .. import collectives
-from . import wrappers
-from . import mindspeed_llm
-from .megatron_lm_checkpoints import STATE_DIR, TRACKER_FILE, CheckpointMarks, newest_healthy_iteration, read_tracker, saved_lr_scale, state_file, warn0, write_marker
-from .megatron_lm_rollback import Rollback, built_model_facts, core_version, skip_iterations, switch_off_for_retry, to_iterations_to_skip
 from ..errors import UserError, exit_refused
 from ..protocols import Guard
+from . import mindspeed_llm, wrappers
+from .megatron_lm_checkpoints import STATE_DIR, TRACKER_FILE, CheckpointMarks, newest_healthy_iteration, read_tracker, saved_lr_scale, state_file, warn0, write_marker
+from .megatron_lm_rollback import Rollback, built_model_facts, core_version, skip_iterations, switch_off_for_retry, to_iterations_to_skip
 
 __all__ = [
     "MegatronLMSession", "session", "scheduler_wrapper", "setup_model_wrapper", "train_step_wrapper",
-    "save_checkpoint_wrapper",
+    "save_checkpoint_wrapper", "should_checkpoint_and_exit_wrapper", "rerun_load_wrapper",
     "TAG_PREFIX",
     # re-exported: tests and callers read them from here
     "STATE_DIR", "TRACKER_FILE", "newest_healthy_iteration", "read_tracker", "saved_lr_scale",
@@ -288,6 +287,21 @@ def should_checkpoint_and_exit_wrapper(wrapped, instance, args, kwargs):
     if monitor is not None and answer[1] and answer[2]:
         session(monitor).megatron_exits(int(answer[2]), state)
     return answer
+
+
+def rerun_load_wrapper(wrapped, instance, args, kwargs):
+    """``RerunStateMachine.load_state_dict(state_dict)``, called by Megatron-LM's ``load_checkpoint``
+    when the checkpoint carries a pending rerun (its exit 16): a rerun that would only repeat on
+    this node and device is left undone and its iteration skipped (:meth:`Rollback.after_rerun_state_loaded`)."""
+    result = wrapped(*args, **kwargs)
+    monitor = wrappers.get_monitor()
+    if monitor is not None:
+        current = session(monitor)
+        if current.rollback is not None:
+            from megatron.training import get_args
+
+            current.rollback.after_rerun_state_loaded(get_args(), instance)
+    return result
 
 
 def save_checkpoint_wrapper(wrapped, instance, args, kwargs):

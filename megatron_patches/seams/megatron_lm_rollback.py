@@ -87,6 +87,26 @@ def core_version() -> tuple:
     return tuple(int(x) for x in package_info.__version__.split(".")[:2])
 
 
+def rerun_repeats_here(machine: Any) -> bool:
+    """Whether Megatron's rerun machine, loaded from the checkpoint it saved at an exit 16 (state
+    ``WILL_RERUN_FROM_CHECKPOINT``), would rerun on this rank's node and device of its first rerun.
+    There its second rerun proves nothing, so it asks for yet another restart ("Got rescheduled on
+    the same GPU", exit 16), as often as the job restarts there."""
+    import os
+
+    import torch
+
+    if getattr(getattr(machine, "state", None), "name", None) != "WILL_RERUN_FROM_CHECKPOINT":
+        return False
+    if getattr(machine, "suspicious_node", None) is None:
+        return False
+    try:
+        device = torch.cuda.current_device()  # what Megatron compares (the CPU runtime redirects it)
+    except (AssertionError, RuntimeError):
+        return False
+    return machine.suspicious_node == os.uname()[1] and machine.suspicious_device == device
+
+
 class Rollback:
     """The ledger's side of one Megatron-LM process. Attaches
     :class:`~megatron_patches.recovery.ExitAndRestart` (the ledger's one writer) to the monitor."""
@@ -211,6 +231,33 @@ class Rollback:
                                   "disabled_features": list(ledger.disabled_features)})
             lr = optimizer.param_groups[0]["lr"] if optimizer.param_groups else None
             warn0("resumed from healthy checkpoint iteration %s with lr %s", args.iteration, lr)
+
+    def after_rerun_state_loaded(self, args: Any, machine: Any) -> None:
+        """Megatron's rerun machine was just loaded (every rank, inside ``load_checkpoint``). When
+        it would rerun the iteration of its exit 16 on the node and device of its first rerun on
+        any rank, that rerun can only ask for another restart: the guard leaves the disambiguation
+        undone, skips that iteration (``iterations_to_skip``, kept by the ledger for later
+        restarts too) and lets the job go on. Elsewhere (a new node) Megatron reruns as it asks."""
+        if not collectives.any_rank(rerun_repeats_here(machine)):
+            return
+        exits = [event for event in self.restart.ledger.events if event.get("megatron_exit") == 16]
+        if not exits:
+            warn0("Megatron's rerun machine will rerun its last iteration on the node and device of its first "
+                  "rerun and exit 16 again; no ledger event names that iteration (was the guard off at the "
+                  "exit?), so it is left to Megatron: restart on another node")
+            return
+        step = int(exits[-1]["step"])
+        machine.state = type(machine.state).NOT_RUNNING_YET
+        machine.data_iterator_checkpoints = None  # the iterator resumes from consumed_train_samples
+        machine.rerun_requested = machine.checkpoint_requested = False
+        machine.restart_again_requested = machine.continue_requested = False
+        args.iterations_to_skip = sorted(set(args.iterations_to_skip or [])
+                                         | set(to_iterations_to_skip([step], core_version())))
+        self.restart.megatron_rerun_left(step)
+        warn0("Megatron's rerun of iteration %d from its checkpoint would run on the node and device of its "
+              "first rerun, where it proves nothing and exits 16 again at every restart: the guard resumes "
+              "without it and skips iteration %d (ledger %s); to have Megatron's diagnosis, restart on "
+              "another node", step, step, self.restart.ledger_path)
 
     # -- at a rollback exit --------------------------------------------------------------------
 

@@ -151,6 +151,14 @@ TARGETS: tuple[PatchTarget, ...] = (
         "checkpoint to disambiguate; 17: validation failed), on steps the guard does not own: the "
         "exit goes into the rollback ledger (megatron_patches.seams.megatron_lm).",
     ),
+    PatchTarget(
+        "megatron.core.rerun_state_machine",
+        "RerunStateMachine.load_state_dict",
+        "megatron_patches.seams.megatron_lm.rerun_load_wrapper",
+        "Where Megatron-LM's load_checkpoint restores a rerun pending since an exit 16: one that would "
+        "run again on the node and device of the first rerun only exits 16 again, at every restart; "
+        "the guard leaves it undone and skips its iteration (megatron_patches.seams.megatron_lm_rollback).",
+    ),
 )
 
 _TRAINING = "megatron.training.training"
