@@ -103,6 +103,10 @@ class GradMonitor:
         self.rollbacks = 0
         self.listeners: list[Callable[[Decision, Optional[Incident]], None]] = []
         """Called on every rank after a decision: ``fn(decision, incident)`` (incident on rank 0 only)."""
+        self.replays_forward: Optional[Callable[[Decision], bool]] = None
+        """Set by a loop integration that replays an incident's forward pass itself after the step
+        (Megatron-LM's loop with Megatron's own check off): true for a decision whose record waits
+        for that replay's :class:`~megatron_patches.incidents.Outcome` (:meth:`resolve`)."""
         self.before_exit: list[Callable[[Decision], None]] = []
         """Called on every rank before the monitor ends the process (finish checkpoint saves);
         they cannot change the exit code."""
@@ -300,7 +304,8 @@ class GradMonitor:
         if incident is not None and ledger is not None and decision.action == Action.ROLLBACK:
             incident = dataclasses.replace(incident, ledger=ledger)
         self.last_incident = incident
-        self.publisher.hand_off(incident, captured, wait_for_outcome=decision.replay, rank=self.rank)
+        replay = decision.replay or (self.replays_forward is not None and self.replays_forward(decision))
+        self.publisher.hand_off(incident, captured, wait_for_outcome=replay, rank=self.rank)
         for listener in self.listeners:
             listener(decision, incident)
         if decision.ends_run and not getattr(self.executor, "in_process", False):

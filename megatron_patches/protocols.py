@@ -91,6 +91,9 @@ class Guard(Protocol):
     """``fn(decision, incident)`` called on every rank after each decision."""
     before_exit: list
     """``fn(decision)`` called on every rank before the guard ends the process."""
+    replays_forward: Any
+    """None, or ``fn(decision) -> bool`` of a loop that replays an incident's forward pass after
+    the step: true holds the record for that replay's outcome (:meth:`resolve`)."""
 
     checked_norm: Any
     """The last check's total norm until Megatron's get_grad_norm takes it (:mod:`~megatron_patches.seams.served_norm`)."""

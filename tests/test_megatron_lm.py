@@ -933,6 +933,31 @@ def test_stock_flags_loss_nan_on_one_rank_is_the_guards_incident_with_megatrons_
 
 
 @pytest.mark.multiproc
+def test_without_megatrons_check_a_loss_nan_is_named_at_its_module_by_the_guards_replay(loop_kind, request,
+                                                                                      tmp_path):
+    """--no-check-for-nan-in-loss-and-grad: nothing in Megatron reruns the step, every gradient goes
+    NaN and the guard skips the step. It then replays the step's forward pass (the micro-batches
+    Megatron's RerunDataIterator kept, forward only) and the record names the module whose output
+    went non-finite first, on its rank, as with Megatron's check on (issue 28)."""
+    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
+    proc = loop.run(guard_env(tmp_path, inject=[FORWARD_NAN]), "--no-check-for-nan-in-loss-and-grad")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "Need to rerun step" not in output
+    [incident] = incidents(tmp_path)
+    assert (incident["step"], incident["action"], incident["severity"]) == (4, "skip_step", "warning")
+    assert incident["all_gradients_nonfinite"] is True and "megatron_rerun" not in incident
+    assert incident["forward_origin"] == {"module": "decoder.layers.1.mlp", "layer": 1, "ranks": [1]}
+    _, entered, _, _ = diagnosis(incident)
+    assert entered.startswith("  entered at: the forward pass, output of decoder.layers.1.mlp (layer 1) on rank(s) [1], "
+                              "found by the replay"), entered
+    logged = iterations(output)
+    assert sorted(logged) == [1, 2, 3, 4, 5, 6] and "number of skipped iterations:   1" in logged[4]
+    losses = [float(re.search(r"lm loss: ([^ ]+)", logged[i]).group(1)) for i in (5, 6)]
+    assert all(math.isfinite(loss) and loss < 100 for loss in losses), losses
+
+
+@pytest.mark.multiproc
 def test_loss_nan_on_a_step_the_guard_does_not_check_is_left_to_megatron(loop_kind, request, tmp_path):
     """check_interval 5: iteration 4 is not checked, so Megatron's loss check acts as without the
     guard (reproducible: a checkpoint and exit 16) and the guard records no incident; Megatron's

@@ -45,6 +45,7 @@ from ..errors import UserError, exit_refused
 from ..protocols import Guard
 from . import mindspeed_llm, wrappers
 from .megatron_lm_checkpoints import STATE_DIR, TRACKER_FILE, CheckpointMarks, newest_healthy_iteration, read_tracker, saved_lr_scale, state_file, warn0, write_marker
+from .megatron_lm_replay import ForwardReplay, replays_here
 from .megatron_lm_rollback import Rollback, built_model_facts, core_version, skip_iterations, switch_off_for_retry, to_iterations_to_skip
 
 __all__ = [
@@ -70,6 +71,8 @@ class MegatronLMSession:
         self.rollback: Optional[Rollback] = None
         """The ledger's side; None until the scheduler is built, and without --save/--load."""
         self.marks = CheckpointMarks(monitor)
+        self.replay: Optional[ForwardReplay] = None
+        """Replays a skipped step's forward pass where Megatron's own check is off (:mod:`.megatron_lm_replay`)."""
         self._first_step = True
         self._checked_before = 0
 
@@ -120,6 +123,9 @@ class MegatronLMSession:
         if self._first_step:
             self._first_step = False
             self.marks.after_load(args.load, int(args.iteration))
+            if replays_here(args):
+                self.replay = ForwardReplay(self.monitor)
+                self.monitor.replays_forward = self.replay.wants
             if self.rollback is not None:
                 self.rollback.after_load(args, optimizer, scheduler)
         if skipped:
@@ -274,6 +280,8 @@ def train_step_wrapper(wrapped, instance, args, kwargs):
     current.before_step(optimizer, scheduler)
     result = wrapped(*args, **kwargs)
     current.after_step()
+    if current.replay is not None and current.replay.pending is not None:
+        current.replay.run(bound.arguments)  # a step the guard skipped: where its forward pass broke
     return result
 
 
