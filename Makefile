@@ -20,7 +20,7 @@ NPROC ?= 4
 MEGATRON ?=
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast test-all demo bench gpu-check patch unpatch patch-status clean
+.PHONY: install test test-fast test-all layout-matrix demo bench gpu-check patch unpatch patch-status clean
 
 # One stamp per megatron-core request: asking for another release installs it.
 STAMP := $(VENV)/.installed-$(or $(MEGATRON_CORE),newest)
@@ -52,6 +52,13 @@ test-fast: install
 # Everything, the slow and benchmark-marked tests included.
 test-all: install
 	MEGATRON_PATCHES_EVERY_LINE=1 $(VPY) -m pytest -q $(PYTEST_ARGS) tests
+
+# Megatron-LM's own loop on every layout (TP2, TP2 + sequence parallel, TP2 + bf16 + distributed
+# optimizer + overlap, PP2 x VPP2, TP2 x PP2, TP2 x DP2) with Megatron's check on and off: a NaN in
+# one rank's gradient, a NaN in one module's output, a rollback. Needs megatron-core 0.17+ (its
+# packaged loop: make layout-matrix PYTHON=python3.12 VENV=.venv312) or MEGATRON_LM_DIR; ~6 minutes.
+layout-matrix: install
+	$(VPY) -m pytest -q -m "layout_matrix or not slow" $(PYTEST_ARGS) tests/test_layouts.py
 
 # A tiny GPT on $(NPROC) CPU ranks (TP=2 x DP=2), a NaN injected into one tensor-parallel
 # weight on rank 1 at step 12: the guard catches it, names it, skips the step; training goes on.

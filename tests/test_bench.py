@@ -91,6 +91,7 @@ def test_bench_reports_every_variant_host_reads_and_targets(tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.one_line  # the guard's own stages: the same on every megatron-core line
 def test_the_scale_simulation_counts_what_an_incident_costs_rank_zero_and_the_disk(tmp_path):
     """``scripts/bench_scale.py`` on four ranks (docs/bench.md has its run at 8-64): a fault on one
     rank sends one part to rank 0 and writes two scenes (rank 0's summary, rank 1's); a fault on

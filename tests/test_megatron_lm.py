@@ -27,10 +27,9 @@ from conftest import REPO, run_packaged_loop
 from megatron_patches.testing.pretrain_cpu import TINY_GPT_ARGS
 
 from megatron_patches import checkpoint
-from megatron_patches.seams import rerun_machine
-from megatron_patches.report import diagnosis
-from megatron_patches.seams import megatron_lm
 from megatron_patches.recovery import LEDGER_FILE, Ledger
+from megatron_patches.report import diagnosis
+from megatron_patches.seams import megatron_lm, rerun_machine
 
 LAUNCHER = REPO / "scripts" / "restart_on_rollback.py"
 PATCH_CLI = REPO / "scripts" / "megatron_patch.py"

@@ -50,7 +50,7 @@ from .megatron_lm_rollback import Rollback, built_model_facts, core_version, ski
 
 __all__ = [
     "MegatronLMSession", "session", "scheduler_wrapper", "setup_model_wrapper", "train_step_wrapper",
-    "save_checkpoint_wrapper", "should_checkpoint_and_exit_wrapper", "rerun_load_wrapper",
+    "save_checkpoint_wrapper", "should_checkpoint_and_exit_wrapper", "rerun_load_wrapper", "dummy_train_step_wrapper",
     "TAG_PREFIX",
     # re-exported: tests and callers read them from here
     "STATE_DIR", "TRACKER_FILE", "newest_healthy_iteration", "read_tracker", "saved_lr_scale",
@@ -309,6 +309,23 @@ def rerun_load_wrapper(wrapped, instance, args, kwargs):
             from megatron.training import get_args
 
             current.rollback.after_rerun_state_loaded(get_args(), instance)
+    return result
+
+
+def dummy_train_step_wrapper(wrapped, instance, args, kwargs):
+    """``dummy_train_step(data_iterator)``: how Megatron-LM's loop drains an iteration listed in
+    ``iterations_to_skip`` (a rollback's incident iterations). Under an interleaved pipeline the
+    iterator is a list, one per virtual stage, which megatron-core 0.19.2's ``next()`` rejects
+    ("'list' object is not an iterator", the resumed job dies): each stage's iterator is drained
+    in turn, as each would be in a trained iteration. One iterator goes through unchanged."""
+    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    iterators = bound.arguments["data_iterator"]
+    if not isinstance(iterators, list):
+        return wrapped(*args, **kwargs)
+    result = None
+    for iterator in iterators:
+        if iterator is not None:
+            result = wrapped(iterator)
     return result
 
 

@@ -189,6 +189,15 @@ TRAINING_TARGETS: tuple[PatchTarget, ...] = (
         required=False,
     ),
     PatchTarget(
+        _TRAINING,
+        "dummy_train_step",
+        "megatron_patches.seams.megatron_lm.dummy_train_step_wrapper",
+        "How Megatron-LM's loop drains an iteration in iterations_to_skip (a rollback's incident "
+        "iterations): under an interleaved pipeline its iterator is a list per virtual stage, which "
+        "megatron-core 0.19.2 cannot drain; each stage's iterator is drained in turn.",
+        required=False,
+    ),
+    PatchTarget(
         "megatron.training.checkpointing",
         "save_checkpoint",
         "megatron_patches.seams.megatron_lm.save_checkpoint_wrapper",
