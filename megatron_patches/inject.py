@@ -46,7 +46,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from .errors import ConfigError
+from . import collectives, naming
+from .errors import ConfigError, exit_refused
 
 log = logging.getLogger("megatron_patches")
 
@@ -329,6 +330,22 @@ def unmatched(injector: Injector, hits_by_rank: list[list[float]], param_names: 
         return None
     return (f"drill(s) that would do nothing: {'; '.join(missed)}; patterns are fnmatch on global names "
             "without wrapper prefixes")
+
+
+def refuse_unmatched(injector: Injector, chunks: list, rank: int) -> None:
+    """At the first step, on every rank: a drill with nothing to act on in the whole job stops every
+    rank with exit code 2 and one line (rank 0, :func:`unmatched`), rather than rehearse nothing
+    and look like a miss. Nothing to match without drills or without a registered model."""
+    if not injector.specs or not chunks:
+        return
+    names = [info.name for info in naming.name_parameters(chunks).values()]
+    modules = [name for name, _, _ in naming.name_modules(chunks)]
+    every_rank = collectives.all_gather_floats(injector.has_targets(rank, names, modules))
+    line = unmatched(injector, every_rank, names, modules)
+    if line is not None:
+        if rank == 0:
+            log.error("%s", line)
+        exit_refused(rank)
 
 
 def build(texts: Iterable[str], clock: Optional[Callable[[], tuple[int, int]]] = None) -> Injector:

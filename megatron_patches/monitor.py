@@ -32,7 +32,6 @@ from .check import CheckStage, Verdict, resolve_overflow_mode
 from .collectives import PeerLost
 from .config import Config
 from .decisions import Action, Decision, exit_code
-from .errors import exit_refused
 from .findings import local_findings, reports
 from .incidents import Incident, Outcome
 from .moe_routing import RoutingWatch
@@ -174,8 +173,9 @@ class GradMonitor:
 
     def after_prepare_grads(self, optimizer: Any, found_inf: bool) -> bool:
         """Run after Megatron's ``prepare_grads``; returns True to skip the update."""
-        if not self._drills_checked:
-            self._refuse_unmatched_drills(optimizer)
+        if not self._drills_checked:  # once, at the first step, when every rank is here
+            self._drills_checked = True
+            inject.refuse_unmatched(self.drills, self.model_chunks.chunks_for(optimizer), self.rank)
         if not self._step_set:
             self._step += 1
         self._step_set = False
@@ -191,23 +191,6 @@ class GradMonitor:
         if step % self.config.check_interval:
             return False
         return self._check(optimizer, entries, step)
-
-    def _refuse_unmatched_drills(self, optimizer: Any) -> None:
-        """Once, at the first step, when every rank is here: a drill with nothing to act on in the
-        whole job stops every rank with exit code 2 and one line (rank 0), rather than rehearse
-        nothing and look like a miss."""
-        self._drills_checked = True
-        drills, chunks = self.drills, self.model_chunks.chunks_for(optimizer)
-        if not drills.specs or not chunks:  # no drills, or a model nobody registered: nothing to match
-            return
-        names = [info.name for info in naming.name_parameters(chunks).values()]
-        modules = [name for name, _, _ in naming.name_modules(chunks)]
-        every_rank = collectives.all_gather_floats(drills.has_targets(self.rank, names, modules))
-        line = inject.unmatched(drills, every_rank, names, modules)
-        if line is not None:
-            if self.rank == 0:
-                log.error("%s", line)
-            exit_refused(self.rank)
 
     def before_direct_clip(self, optimizer: Any) -> None:
         """``clip_grad_norm`` called without ``prepare_grads`` first: check, zero bad grads."""

@@ -349,22 +349,22 @@ class ExitAndRestart:
         exit goes ahead."""
         self.ledger.events.append({"step": step, "megatron_exit": code, "state": state})
         self.ledger.spent_injections = sorted(set(self.ledger.spent_injections) | set(fired))
-        if self.monitor.rank == 0:
-            try:
-                self.ledger.save(self.checkpoint_root)
-            except OSError as error:
-                log.warning("the ledger could not record Megatron's exit %d (%s)", code, error)
+        self._save_event(f"Megatron's exit {code}")
 
     def megatron_rerun_left(self, step: int) -> None:
         """Megatron's rerun of ``step`` from its checkpoint is left undone (it would repeat on the
         same node and device): an event that also skips ``step`` at this and every later restart."""
         self.ledger.events.append({"step": step, "megatron_rerun": "left: same node and device",
                                    "skip_iterations": [step]})
+        self._save_event(f"the skip of iteration {step}")
+
+    def _save_event(self, what: str) -> None:
+        """Rank 0 writes the ledger with an event the job goes on without when it cannot be written."""
         if self.monitor.rank == 0:
             try:
                 self.ledger.save(self.checkpoint_root)
             except OSError as error:
-                log.warning("the ledger could not record the skip of iteration %d (%s)", step, error)
+                log.warning("the ledger could not record %s (%s)", what, error)
 
     def resumed(self, event: dict) -> None:
         """The restart resumed as the ledger asked: the request is done (rank 0 writes it)."""
