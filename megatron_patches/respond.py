@@ -1,5 +1,5 @@
-"""The respond stage: every rank's findings to rank 0, which grades the incident and assembles
-it, then the :class:`~megatron_patches.decisions.Decision` back to every rank.
+"""The respond stage: the findings of the ranks an incident reached to rank 0, which grades the
+incident and assembles it, then the :class:`~megatron_patches.decisions.Decision` back to every rank.
 
 Both collectives are bounded (``response.peer_timeout_s``): a peer lost between them raises
 :class:`~megatron_patches.collectives.PeerLost` on the ranks still alive, and

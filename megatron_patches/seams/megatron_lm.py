@@ -1,7 +1,8 @@
 """Megatron-LM's training loop (``pretrain_gpt.py``): iterations, batches, exit-and-restart.
 
-Three wrappers, declared in :mod:`megatron_patches.seams.targets` as optional targets
-(``megatron.training`` exists only in a Megatron-LM checkout):
+The wrappers of Megatron-LM's loop, declared in :mod:`megatron_patches.seams.targets` (those under
+``megatron.training`` as optional targets: it exists only in a Megatron-LM checkout or a 0.17+
+wheel). The main three:
 
 - ``get_optimizer_param_scheduler``: runs once, after the optimizer is built and before the
   checkpoint is loaded; the first moment Megatron's args and the optimizer both exist. Attaches
@@ -27,6 +28,12 @@ Recovery protocol for Megatron-LM (no in-process executor: the loop cannot be re
     next start, before the load     -> --load/--ckpt-step = newest healthy iter <= tracker
                                        iterations_to_skip += incident iterations, lr scaled
     first train_step                -> lr re-applied after the load, rollback_requested cleared
+
+Beside them: ``setup_model_and_optimizer`` (safe mode on retry), ``dummy_train_step`` (the skip of
+an iteration under an interleaved pipeline), and Megatron's rerun machine at its exits 16/17
+(``should_checkpoint_and_exit``, into the ledger) and at a checkpoint load (``load_state_dict``: a
+rerun that would only repeat on the same device is left undone). With Megatron's check off, a
+skipped step's forward pass is replayed (:mod:`.megatron_lm_replay`).
 
 This module wires the wrappers to one session per process; the session hands the ledger's work
 to :mod:`.megatron_lm_rollback` and the checkpoint files (markers, per-rank guard state, async
