@@ -12,7 +12,8 @@ its gradients silently unchecked. Two places ask, so that both ways in are cover
 Checked and tested (not refused): FP32, Float16 and distributed optimizers (``--bf16``/``--fp16``,
 ``--use-distributed-optimizer``, ``--overlap-grad-reduce``), tensor and pipeline parallel, and
 interleaved (virtual) pipelines, MTP, mixture-of-experts with expert parallelism (alltoall and
-allgather dispatchers, expert tensor parallel size 1; docs/moe.md).
+allgather dispatchers, expert tensor parallel size 1; docs/moe.md), the precision-aware optimizer
+(``--use-precision-aware-optimizer``: the bf16 shards' ``decoupled_grad`` is read; tests/test_variant_loops.py).
 """
 
 from __future__ import annotations
@@ -58,9 +59,6 @@ def unsupported_flag(args: Any) -> Optional[tuple[str, str]]:
             return "--" + name.replace("_", "-"), HIGH_AVAILABILITY_WHY
     if on("optimizer_cpu_offload"):
         return "--optimizer-cpu-offload", "HybridDeviceOptimizer steps CPU copies the guard does not see"
-    if on("use_precision_aware_optimizer"):
-        return ("--use-precision-aware-optimizer",
-                "the gradient is the shards' decoupled_grad, not yet paired with its parameter")
     if on("use_megatron_fsdp") or on("use_custom_fsdp"):
         flag = "--use-megatron-fsdp" if on("use_megatron_fsdp") else "--use-custom-fsdp"
         return flag, "DTensor gradient shards are not read yet"
@@ -83,17 +81,9 @@ def refuse_optimizer(leaf: Any) -> None:
     inner = getattr(leaf, "optimizer", None)
     if type(inner).__name__ == "HybridDeviceOptimizer" or type(leaf).__name__ == "HybridDeviceOptimizer":
         raise _unsupported("--optimizer-cpu-offload", "HybridDeviceOptimizer steps CPU copies the guard does not see")
-    config = getattr(leaf, "config", None)
-    if getattr(config, "use_precision_aware_optimizer", False):
-        raise _unsupported("--use-precision-aware-optimizer",
-                           "the gradient is the shards' decoupled_grad, not yet paired with its parameter")
     ddp = getattr(leaf, "ddp_config", None)
     if getattr(ddp, "use_megatron_fsdp", False) or getattr(ddp, "use_custom_fsdp", False):
         raise _unsupported("--use-megatron-fsdp", "DTensor gradient shards are not read yet")
-    for group in getattr(leaf, "shard_fp32_from_float16_groups", None) or []:
-        if any(p is None for p in group):
-            raise _unsupported("--use-precision-aware-optimizer",
-                               "the distributed optimizer holds no fp32 shards to pair with")
     for group in getattr(inner, "param_groups", None) or []:
         for p in group["params"]:
             if type(p).__name__ == "DTensor" or type(getattr(p, "grad", None)).__name__ == "DTensor":

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Run, assert_trained, run_forked, run_packaged_loop
+from megatron_patches.testing import step_probe
 from megatron_patches.testing.pretrain_cpu import TINY_GPT_ARGS
 from test_megatron_lm import _packaged_loop_available
 
@@ -115,21 +116,34 @@ def test_by_default_megatron_computes_every_norm_under_the_guard(tmp_path):
     pytest.param(("--bf16", "--pipeline-model-parallel-size", "2"), marks=pytest.mark.slow),
     ("--bf16", "--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
      "--disable-bias-linear", "--moe-token-dispatcher-type", "alltoall"),
-], ids=["dp2-bf16-distopt", "dp2-fp16-distopt", "dp2-fp32", "tp2-bf16", "pp2-bf16", "moe-ep2-bf16"])
+    # The precision-aware optimizer with the stand-in FusedAdam (megatron_patches.testing.fused_adam).
+    ("--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16",
+     "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"),
+    pytest.param(("--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer"), marks=pytest.mark.slow),
+], ids=["dp2-bf16-distopt", "dp2-fp16-distopt", "dp2-fp32", "tp2-bf16", "pp2-bf16", "moe-ep2-bf16",
+        "dp2-precision-aware-bf16-states", "dp2-precision-aware"])
 def test_a_guarded_megatron_lm_run_equals_an_unguarded_one_bit_for_bit(tmp_path, layout):
     """Megatron-LM's packaged loop on 2 ranks, 20 iterations, the same seed: with the guard
     (default config) and without it (the runner's --no-guard) every iteration's loss and grad
-    norm are the same to the digits Megatron prints. With serve_norm on, 14 of the first 20
+    norm are the same to the digits Megatron prints, and every rank's weights and optimizer state
+    the same to the bit after every iteration (SHA-256, megatron_patches.testing.step_probe). With serve_norm on, 14 of the first 20
     bf16 DP2 losses differed."""
     config = tmp_path / "guard.yaml"
     config.write_text(f"report_dir: {tmp_path / 'reports'}\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MEGATRON_PATCHES_CONFIG": str(config),
            "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     lines, outputs = {}, {}
+    probes = {}
     for mode in ((), ("--no-guard",)):
-        code, output = run_packaged_loop(env, [*TINY_GPT_ARGS, "--train-iters", "20", *layout, *mode])
+        probes[mode] = tmp_path / f"probe{len(mode)}"
+        code, output = run_packaged_loop({**env, step_probe.ENV: str(probes[mode])},
+                                         [*TINY_GPT_ARGS, "--train-iters", "20", *layout, *mode])
         assert code == 0, output[-4000:]
         outputs[mode], lines[mode] = output, ITERATION.findall(output)
     assert "[megatron_patches] guarding megatron-core" in outputs[()]
     assert "[megatron_patches]" not in outputs[("--no-guard",)]
     assert len(lines[()]) == 20 and lines[()] == lines[("--no-guard",)], lines
+    # Every bit of every rank's weights and optimizer state after every iteration.
+    guarded, unguarded = (step_probe.read(probes[mode]) for mode in ((), ("--no-guard",)))
+    assert len(guarded) == 2 and all(len(lines) == 20 for lines in guarded.values())
+    assert guarded == unguarded

@@ -26,7 +26,6 @@ def megatron_args(**flags) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("flags, flag", [
-    ({"use_precision_aware_optimizer": True, "use_distributed_optimizer": True}, "--use-precision-aware-optimizer"),
     ({"optimizer_cpu_offload": True, "use_precision_aware_optimizer": True}, "--optimizer-cpu-offload"),
     ({"use_megatron_fsdp": True}, "--use-megatron-fsdp"),
     ({"use_torch_fsdp2": True}, "--use-torch-fsdp2"),
@@ -72,18 +71,44 @@ def test_checked_variants_pass(flags):
     variants.refuse_args(megatron_args(**flags))
 
 
-def test_precision_aware_distributed_optimizer_is_refused_from_the_objects_fake_leaf():
-    # Fake leaf: megatron-core's precision-aware optimizer needs Transformer Engine's FusedAdam,
-    # absent on CPU. Its distributed optimizer holds None where the fp32 shards would be.
-    leaf = SimpleNamespace(optimizer=torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1),
-                           config=SimpleNamespace(use_precision_aware_optimizer=False),
-                           shard_fp32_from_float16_groups=[[None]])
-    with pytest.raises(UnsupportedConfig, match="^--use-precision-aware-optimizer "):
-        variants.refuse_optimizer(leaf)
-    leaf.shard_fp32_from_float16_groups = [[torch.ones(2)]]
-    leaf.config.use_precision_aware_optimizer = True
-    with pytest.raises(UnsupportedConfig, match="^--use-precision-aware-optimizer "):
-        variants.refuse_optimizer(leaf)
+def test_precision_aware_leaves_pair_the_bf16_shards_with_their_decoupled_grad():
+    # Fake leaf with a distributed optimizer's group lists: the precision-aware one keeps None where
+    # the fp32 shards would be and steps the bf16 shards, whose gradient is decoupled_grad.
+    from megatron_patches.seams import optimizer_params
+
+    model, shard = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16)), torch.ones(2, dtype=torch.bfloat16)
+    shard.decoupled_grad = torch.full((2,), 3.0)
+    leaf = SimpleNamespace(optimizer=object(), model_float16_groups=[[model]], shard_float16_groups=[[shard]],
+                           shard_fp32_from_float16_groups=[[None]], model_fp32_groups=[[]], shard_fp32_groups=[[]],
+                           config=SimpleNamespace(use_precision_aware_optimizer=True,
+                                                  use_precision_aware_optimizer_no_fp8_or_ds_fp8=True))
+    variants.refuse_optimizer(leaf)
+    assert list(optimizer_params.param_pairs(leaf)) == [(shard, model, True)]
+    assert optimizer_params.optimizer_grad(shard, optimizer_params.uses_decoupled_grad(leaf)) is shard.decoupled_grad
+
+
+def test_the_stand_in_fused_adam_takes_adamw_steps_with_fp32_master_weights_over_bf16_params():
+    # megatron_patches.testing.fused_adam: Transformer Engine's FusedAdam cannot run on CPU.
+    from megatron_patches.testing.fused_adam import StandInFusedAdam
+
+    torch.manual_seed(0)
+    start, grads = torch.randn(64), [torch.randn(64) for _ in range(5)]
+    reference = torch.nn.Parameter(start.clone())
+    adamw = torch.optim.AdamW([reference], lr=1e-2, weight_decay=0.1)
+    bf16 = torch.nn.Parameter(start.to(torch.bfloat16))
+    stand_in = StandInFusedAdam([bf16], lr=1e-2, weight_decay=0.1, adam_w_mode=True, master_weights=True,
+                                use_decoupled_grad=True)
+    for grad in grads:
+        reference.grad, bf16.decoupled_grad = grad.clone(), grad.clone()
+        adamw.step()
+        stand_in.step()
+    master = stand_in.get_unscaled_state(bf16, "master_param")
+    assert master.dtype == torch.float32 and float((master - start.to(torch.bfloat16).float()).abs().max()) > 0
+    # Same update from a bf16 start: within bf16 rounding of the start, the rest is AdamW's.
+    assert torch.allclose(master, reference.detach() + (start.to(torch.bfloat16).float() - start), atol=1e-5)
+    assert torch.equal(bf16.detach(), master.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="exp_avg_dtype=torch.float16 needs Transformer Engine's scaled states"):
+        StandInFusedAdam([bf16], exp_avg_dtype=torch.float16)
 
 
 def test_megatron_fsdp_and_cpu_offload_are_refused_from_the_objects_fake_leaf():

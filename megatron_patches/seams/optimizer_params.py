@@ -2,7 +2,8 @@
 
 megatron-core's leaf optimizers keep their parameters differently: the FP32 optimizer steps the
 model parameters themselves, the Float16 optimizer steps fp32 copies (``main_param``), and the
-distributed optimizer steps fp32 shards of them. :func:`build_entries` pairs every parameter the
+distributed optimizer steps fp32 shards of them (the precision-aware one: the model's own
+bf16/fp16 shards, with fp32 gradients in ``decoupled_grad``). :func:`build_entries` pairs every parameter the
 optimizer steps with the model parameter it belongs to and that parameter's global name.
 """
 
@@ -40,7 +41,11 @@ def param_pairs(leaf: Any):
     if getattr(leaf, "is_stub_optimizer", False) or getattr(leaf, "optimizer", None) is None:
         return
     if hasattr(leaf, "shard_fp32_from_float16_groups"):  # DistributedOptimizer
-        for models, mains in zip(leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups):
+        # The precision-aware optimizer steps the low-precision shards themselves (their fp32
+        # gradient in ``decoupled_grad``, the fp32 master weights inside the optimizer) and
+        # keeps None where the fp32 shards would be.
+        shards = leaf.shard_float16_groups if uses_decoupled_grad(leaf) else leaf.shard_fp32_from_float16_groups
+        for models, mains in zip(leaf.model_float16_groups, shards):
             yield from ((s, m, True) for m, s in zip(models, mains))
         for models, mains in zip(leaf.model_fp32_groups, leaf.shard_fp32_groups):
             yield from ((s, m, True) for m, s in zip(models, mains))
@@ -55,6 +60,8 @@ def param_pairs(leaf: Any):
 
 
 def uses_decoupled_grad(leaf: Any) -> bool:
+    """Whether ``leaf`` applies ``decoupled_grad`` (megatron-core's precision-aware optimizer
+    without FP8 parameters) rather than ``.grad``."""
     return bool(getattr(leaf.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
 
 

@@ -20,6 +20,8 @@ its weights are marked ``sequence_parallel``, so that ``finalize_model_grads`` a
 gradients over the tensor-parallel group (each TP rank normalised only its slice of the sequence).
 :func:`_sequence_parallel_torch_norm` stands in for those fused norms: the same torch norm, its
 parameters marked as they mark theirs. Without sequence parallel it is ``WrappedTorchNorm`` unchanged.
+The precision-aware optimizer (``use_precision_aware_optimizer``) needs Transformer Engine's
+``FusedAdam``, a CUDA kernel; :mod:`megatron_patches.testing.fused_adam` stands in for it.
 Nothing here is installed by importing this module, and :func:`uninstall` restores every attribute.
 
 This is a test runtime: it makes numbers come out of real megatron-core code on
@@ -36,6 +38,8 @@ from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from megatron_patches.testing import fused_adam
 
 __all__ = ["install", "uninstall", "installed", "cpu_runtime"]
 
@@ -170,6 +174,7 @@ def _redirects() -> list[tuple[Any, str, Any]]:
         items.append((distrib_optimizer, "quantize_param_shard", quantize))
     items += _moe_redirects()
     items += _sequence_parallel_norm_redirects()
+    items += fused_adam.redirects()
     return items
 
 
@@ -275,6 +280,7 @@ def uninstall() -> None:
         if _state is None:
             return
         _state["mode"].__exit__(None, None, None)
+        fused_adam.restore()
         for owner, name, original in reversed(_state["saved"]):
             if original is _MISSING:
                 delattr(owner, name)

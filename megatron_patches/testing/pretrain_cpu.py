@@ -28,6 +28,7 @@ For tests only; it is not a way to train at speed.
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -86,9 +87,11 @@ def _run_packaged(args: list[str]) -> None:
         raise SystemExit(
             f"megatron-core {package_info.__version__} ships no megatron/training (0.17 and later do); "
             f"give a Megatron-LM checkout's pretrain_gpt.py first\n{USAGE}")
-    from megatron_patches.testing import gpt_loop, megatron_lm_cpu
+    from megatron_patches.testing import gpt_loop, megatron_lm_cpu, step_probe
 
     megatron_lm_cpu.install()
+    if os.environ.get(step_probe.ENV):
+        step_probe.install(os.environ[step_probe.ENV])
     if WITHOUT_GUARD in args:
         args = [a for a in args if a != WITHOUT_GUARD]
     else:
