@@ -13,7 +13,8 @@ Checked and tested (not refused): FP32, Float16 and distributed optimizers (``--
 ``--use-distributed-optimizer``, ``--overlap-grad-reduce``), tensor and pipeline parallel, and
 interleaved (virtual) pipelines, MTP, mixture-of-experts with expert parallelism (alltoall and
 allgather dispatchers, expert tensor parallel size 1; docs/moe.md), the precision-aware optimizer
-(``--use-precision-aware-optimizer``: the bf16 shards' ``decoupled_grad`` is read; tests/test_variant_loops.py).
+(``--use-precision-aware-optimizer``: the bf16 shards' ``decoupled_grad`` is read) and context
+parallelism (``--context-parallel-size``: ranks named with their ``cp``); tests/test_variant_loops.py.
 """
 
 from __future__ import annotations
@@ -70,8 +71,6 @@ def unsupported_flag(args: Any) -> Optional[tuple[str, str]]:
     if getattr(args, "num_experts", None) and size("expert_tensor_parallel_size") > 1:
         return ("--expert-tensor-parallel-size",
                 "experts split over tensor-parallel ranks have not run with the guard yet; set it to 1")
-    if size("context_parallel_size") > 1:
-        return "--context-parallel-size", "not yet tested with the guard (needs Transformer Engine attention)"
     return None
 
 

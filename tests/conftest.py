@@ -191,6 +191,7 @@ def _packaged_loop_rank(env: dict, args: list[str]) -> None:
     from megatron_patches.testing.process_end import run_then_end
 
     launch = {key: os.environ[key] for key in LAUNCH_VARIABLES if key in os.environ}
+    launch = launch or launch_variables(0, 1, free_port())  # one rank: torchrun's variables all the same
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(launch)

@@ -7,13 +7,16 @@ the weights and the optimizer state untouched bit for bit (measured by
 fault is rolled back to the healthy checkpoint and the job resumes. Guard on versus guard off bit
 for bit: tests/test_served_norm.py.
 
-Stand-ins, named: the precision-aware optimizer needs Transformer Engine's ``FusedAdam`` (CUDA);
-here :class:`megatron_patches.testing.fused_adam.StandInFusedAdam` takes its place.
+Stand-ins, named (Transformer Engine needs CUDA and cannot run here): the precision-aware optimizer
+needs its ``FusedAdam``, here :class:`megatron_patches.testing.fused_adam.StandInFusedAdam`; context
+parallelism needs its attention, here the local attention gathering K and V over the CP group
+(:mod:`megatron_patches.testing.context_parallel`, checked against one rank below).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -26,10 +29,13 @@ pytestmark = [pytest.mark.multiproc,
 
 PRECISION_AWARE = ("--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer")
 BF16_STATES = ("--main-grads-dtype", "bf16", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16")
+CP2 = ("--context-parallel-size", "2")
 VARIANTS = {
     "precision_aware": PRECISION_AWARE,
     "precision_aware_bf16_states": (*PRECISION_AWARE, *BF16_STATES),
+    "cp2": CP2,
 }
+NO_DROPOUT = ("--attention-dropout", "0", "--hidden-dropout", "0")
 
 
 def assert_only_the_skipped_steps_left_everything_untouched(probe_dir, skipped: set[int], last: int) -> None:
@@ -46,9 +52,9 @@ def assert_only_the_skipped_steps_left_everything_untouched(probe_dir, skipped: 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_a_nan_the_optimizer_would_apply_is_named_and_its_step_leaves_weights_and_state_untouched(tmp_path, name):
-    """Under the precision-aware optimizer the optimizer applies the shards' ``decoupled_grad`` (the
-    fp32 or bf16 main gradient beside a bf16 parameter shard, ``.grad`` None): the drill writes the
-    NaN there, on rank 0's shard of fc1."""
+    """The drill writes the NaN into the gradient the optimizer applies on rank 0: under the
+    precision-aware optimizer the shards' ``decoupled_grad`` (the fp32 or bf16 main gradient beside
+    a bf16 parameter shard, ``.grad`` None), rank 0's shard of fc1."""
     env = {**guard_env(tmp_path, inject=[f"nan:step=3,rank=0,phase=grad,param={FC1}"]),
            step_probe.ENV: str(tmp_path / "probe"), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     proc = Loop(None).run(env, *VARIANTS[name])
@@ -57,7 +63,8 @@ def test_a_nan_the_optimizer_would_apply_is_named_and_its_step_leaves_weights_an
     [incident] = incidents(tmp_path)
     assert (incident["step"], incident["action"], incident["kind"]) == (3, "skip_step", "nan"), incident
     first = incident["first"]
-    assert (first["name"], first["layer"], first["shard"], first["nan"]) == (FC1, 1, True, 1), first
+    sharded = "--use-distributed-optimizer" in VARIANTS[name]
+    assert (first["name"], first["layer"], first["shard"], first["nan"]) == (FC1, 1, sharded, 1), first
     assert first["ranks"]["global"] == 0 and first["ranks"]["dp"] == 0
     logged = iterations(output)
     assert sorted(logged) == [1, 2, 3, 4, 5, 6] and "number of skipped iterations:   1" in logged[3]
@@ -76,3 +83,60 @@ def test_precision_aware_persistent_nan_is_rolled_back_to_its_checkpoint_and_res
     assert all(i["origin_ranks"] == [1] and i["first"]["name"] == FC1 for i in found)
     assert re.search(r"successfully loaded checkpoint from .* at iteration\s+2\b", second), second[-4000:]
     assert sorted(iterations(second)) == [5, 6]
+
+
+def _cp_run(tmp_path, drill: str, *extra: str) -> tuple[dict, str]:
+    env = {**guard_env(tmp_path, inject=[drill]), step_probe.ENV: str(tmp_path / "probe"),
+           "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    proc = Loop(None).run(env, *CP2, *extra)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    [incident] = incidents(tmp_path)
+    assert (incident["step"], incident["action"]) == (3, "skip_step"), incident
+    assert_only_the_skipped_steps_left_everything_untouched(tmp_path / "probe", skipped={3}, last=6)
+    return incident, output
+
+
+def test_context_parallel_names_the_cp_rank_whose_own_gradient_broke(tmp_path):
+    """CP2 on two ranks (data-parallel size 1): rank 1 holds the second and third quarter of each
+    sequence; its own fc1 gradient goes NaN before the reduction over the data- and
+    context-parallel group, which spreads it to rank 0."""
+    incident, _ = _cp_run(tmp_path, f"nan:step=3,rank=1,phase=local,param={FC1}", "--no-check-for-nan-in-loss-and-grad")
+    assert incident["origin_ranks"] == [1] and incident["first"]["name"] == FC1
+    ranks = incident["first"]["ranks"]
+    assert (ranks["global"], ranks["cp"], ranks["dp"]) == (1, 1, 0), ranks
+
+
+def test_context_parallel_attention_nan_is_born_on_one_rank_and_shows_on_both(tmp_path):
+    """A NaN out of layer 0's attention on CP rank 1 reaches rank 0 through layer 1's K/V exchange:
+    both ranks' losses go NaN (Megatron's check sees it on both), every gradient is NaN; the
+    guard's forward trace names layer 0's attention on rank 1."""
+    incident, _ = _cp_run(tmp_path, "nan:step=3,rank=1,phase=forward,module=decoder.layers.0.self_attention")
+    assert incident["loss_nonfinite"] is True and sorted(incident["origin_ranks"]) == [0, 1], incident
+    assert incident["forward_origin"] == {"module": "decoder.layers.0.self_attention", "layer": 0, "ranks": [1]}
+
+
+def test_context_parallel_persistent_nan_is_rolled_back_to_its_checkpoint_and_resumed(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    first, second = rollback_run(Loop(None), tmp_path, f"nan:step=3,count=2,rank=1,phase=local,param={FC1}", *CP2)
+    found = incidents(tmp_path)
+    assert [(i["step"], i["severity"], i["action"]) for i in found] == [(3, "warning", "skip_step"),
+                                                                        (4, "error", "rollback")], found
+    assert all(i["origin_ranks"] == [1] and i["first"]["ranks"]["cp"] == 1 for i in found)
+    assert re.search(r"successfully loaded checkpoint from .* at iteration\s+2\b", second), second[-4000:]
+    assert sorted(iterations(second)) == [5, 6]
+
+
+def test_the_stand_in_context_parallel_attention_trains_as_one_rank_does(tmp_path):
+    """CP2 over two ranks and the same job on one rank (no dropout, the same global batch): the
+    losses and grad norms Megatron logs agree to 1e-6 relative (summation order differs)."""
+    logged = {}
+    for nproc, extra in ((2, CP2), (1, ())):
+        env = {**guard_env(tmp_path), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+        proc = replace(Loop(None), nproc=nproc).run(env, *NO_DROPOUT, *extra, "--no-guard")
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        logged[nproc] = [tuple(float(v) for v in re.search(r"lm loss: (\S+) .*grad norm: (\S+) ", line).groups())
+                         for _, line in sorted(iterations(proc.stdout).items())]
+    assert len(logged[1]) == 6 and len(logged[2]) == 6
+    for cp, one in zip(logged[2], logged[1]):
+        assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(cp, one)), logged

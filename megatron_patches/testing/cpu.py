@@ -21,7 +21,9 @@ gradients over the tensor-parallel group (each TP rank normalised only its slice
 :func:`_sequence_parallel_torch_norm` stands in for those fused norms: the same torch norm, its
 parameters marked as they mark theirs. Without sequence parallel it is ``WrappedTorchNorm`` unchanged.
 The precision-aware optimizer (``use_precision_aware_optimizer``) needs Transformer Engine's
-``FusedAdam``, a CUDA kernel; :mod:`megatron_patches.testing.fused_adam` stands in for it.
+``FusedAdam``, a CUDA kernel; :mod:`megatron_patches.testing.fused_adam` stands in for it. Context
+parallelism needs Transformer Engine's attention; :mod:`megatron_patches.testing.context_parallel`
+lets the local attention gather K and V over the CP group instead.
 Nothing here is installed by importing this module, and :func:`uninstall` restores every attribute.
 
 This is a test runtime: it makes numbers come out of real megatron-core code on
@@ -39,7 +41,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_patches.testing import fused_adam
+from megatron_patches.testing import context_parallel, fused_adam
 
 __all__ = ["install", "uninstall", "installed", "cpu_runtime"]
 
@@ -175,6 +177,7 @@ def _redirects() -> list[tuple[Any, str, Any]]:
     items += _moe_redirects()
     items += _sequence_parallel_norm_redirects()
     items += fused_adam.redirects()
+    items += context_parallel.redirects()
     return items
 
 

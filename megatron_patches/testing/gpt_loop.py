@@ -126,9 +126,22 @@ def _loss(loss_mask: torch.Tensor, output: torch.Tensor):
     return total, tokens, {"lm loss": torch.stack([total.detach().clone(), mask.sum().detach()])}
 
 
+def _on_this_context_parallel_rank(batch: dict) -> dict:
+    """This CP rank's two chunks of each sequence (megatron-core's load-balanced split, as
+    ``pretrain_gpt.py``'s ``get_batch`` does); the batch unchanged without context parallelism."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return batch
+    if "cp_group" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group())
+    return get_batch_on_this_cp_rank(batch)
+
+
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     """One micro-batch: tokens in, per-token loss out, with the loss function to reduce it."""
-    batch = next(data_iterator)
+    batch = _on_this_context_parallel_rank(next(data_iterator))
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     loss_mask = batch["loss_mask"]
     return output, lambda output_tensor: _loss(loss_mask, output_tensor)
