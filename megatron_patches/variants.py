@@ -13,7 +13,8 @@ Checked and tested (not refused): FP32, Float16 and distributed optimizers (``--
 ``--use-distributed-optimizer``, ``--overlap-grad-reduce``), tensor and pipeline parallel, and
 interleaved (virtual) pipelines, MTP, mixture-of-experts with expert parallelism (alltoall and
 allgather dispatchers, expert tensor parallel size 1; docs/moe.md), the precision-aware optimizer
-(``--use-precision-aware-optimizer``: the bf16 shards' ``decoupled_grad`` is read) and context
+(``--use-precision-aware-optimizer``: the bf16 shards' ``decoupled_grad`` is read), its CPU offload
+(``--optimizer-cpu-offload``: read there too, before ``HybridDeviceOptimizer`` copies it to the host) and context
 parallelism (``--context-parallel-size``: ranks named with their ``cp``); tests/test_variant_loops.py.
 """
 
@@ -58,8 +59,6 @@ def unsupported_flag(args: Any) -> Optional[tuple[str, str]]:
     for name in HIGH_AVAILABILITY_ARGS:
         if on(name):
             return "--" + name.replace("_", "-"), HIGH_AVAILABILITY_WHY
-    if on("optimizer_cpu_offload"):
-        return "--optimizer-cpu-offload", "HybridDeviceOptimizer steps CPU copies the guard does not see"
     if on("use_megatron_fsdp") or on("use_custom_fsdp"):
         flag = "--use-megatron-fsdp" if on("use_megatron_fsdp") else "--use-custom-fsdp"
         return flag, "DTensor gradient shards are not read yet"
@@ -78,8 +77,6 @@ def refuse_optimizer(leaf: Any) -> None:
     """Raise :class:`UnsupportedConfig` when a megatron-core leaf optimizer is a variant whose
     gradients :func:`~megatron_patches.seams.optimizer_params.param_pairs` would miss or misread."""
     inner = getattr(leaf, "optimizer", None)
-    if type(inner).__name__ == "HybridDeviceOptimizer" or type(leaf).__name__ == "HybridDeviceOptimizer":
-        raise _unsupported("--optimizer-cpu-offload", "HybridDeviceOptimizer steps CPU copies the guard does not see")
     ddp = getattr(leaf, "ddp_config", None)
     if getattr(ddp, "use_megatron_fsdp", False) or getattr(ddp, "use_custom_fsdp", False):
         raise _unsupported("--use-megatron-fsdp", "DTensor gradient shards are not read yet")

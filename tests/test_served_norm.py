@@ -121,8 +121,10 @@ def test_by_default_megatron_computes_every_norm_under_the_guard(tmp_path):
      "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"),
     pytest.param(("--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer"), marks=pytest.mark.slow),
     ("--bf16", "--context-parallel-size", "2"),  # the stand-in CP attention (megatron_patches.testing.context_parallel)
+    ("--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer", "--optimizer-cpu-offload",
+     "--optimizer-offload-fraction", "0.5", "--no-pin-cpu-grads", "--no-pin-cpu-params"),
 ], ids=["dp2-bf16-distopt", "dp2-fp16-distopt", "dp2-fp32", "tp2-bf16", "pp2-bf16", "moe-ep2-bf16",
-        "dp2-precision-aware-bf16-states", "dp2-precision-aware", "cp2-bf16"])
+        "dp2-precision-aware-bf16-states", "dp2-precision-aware", "cp2-bf16", "dp2-cpu-offload-half"])
 def test_a_guarded_megatron_lm_run_equals_an_unguarded_one_bit_for_bit(tmp_path, layout):
     """Megatron-LM's packaged loop on 2 ranks, 20 iterations, the same seed: with the guard
     (default config) and without it (the runner's --no-guard) every iteration's loss and grad

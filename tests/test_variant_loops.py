@@ -30,10 +30,13 @@ pytestmark = [pytest.mark.multiproc,
 PRECISION_AWARE = ("--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer")
 BF16_STATES = ("--main-grads-dtype", "bf16", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16")
 CP2 = ("--context-parallel-size", "2")
+OFFLOAD = (*PRECISION_AWARE, "--optimizer-cpu-offload", "--no-pin-cpu-grads", "--no-pin-cpu-params")
 VARIANTS = {
     "precision_aware": PRECISION_AWARE,
     "precision_aware_bf16_states": (*PRECISION_AWARE, *BF16_STATES),
     "cp2": CP2,
+    "cpu_offload": OFFLOAD,  # --optimizer-offload-fraction 1 (Megatron's default)
+    "cpu_offload_half": (*OFFLOAD, "--optimizer-offload-fraction", "0.5"),
 }
 NO_DROPOUT = ("--attention-dropout", "0", "--hidden-dropout", "0")
 
@@ -54,7 +57,8 @@ def assert_only_the_skipped_steps_left_everything_untouched(probe_dir, skipped: 
 def test_a_nan_the_optimizer_would_apply_is_named_and_its_step_leaves_weights_and_state_untouched(tmp_path, name):
     """The drill writes the NaN into the gradient the optimizer applies on rank 0: under the
     precision-aware optimizer the shards' ``decoupled_grad`` (the fp32 or bf16 main gradient beside
-    a bf16 parameter shard, ``.grad`` None), rank 0's shard of fc1."""
+    a bf16 parameter shard, ``.grad`` None), rank 0's shard of fc1; with CPU offload the same, before
+    ``HybridDeviceOptimizer.step`` copies it to the host copies it steps."""
     env = {**guard_env(tmp_path, inject=[f"nan:step=3,rank=0,phase=grad,param={FC1}"]),
            step_probe.ENV: str(tmp_path / "probe"), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     proc = Loop(None).run(env, *VARIANTS[name])
@@ -71,12 +75,14 @@ def test_a_nan_the_optimizer_would_apply_is_named_and_its_step_leaves_weights_an
     assert_only_the_skipped_steps_left_everything_untouched(tmp_path / "probe", skipped={3}, last=6)
 
 
-def test_precision_aware_persistent_nan_is_rolled_back_to_its_checkpoint_and_resumed(tmp_path, monkeypatch):
-    """bf16 moments and main gradients: Megatron saves them through the optimizer's
-    ``get_unscaled_state`` and loads them with ``set_scaled_state`` (torch_dist format)."""
+@pytest.mark.parametrize("name", ["precision_aware_bf16_states", "cpu_offload_half"])
+def test_optimizer_variant_persistent_nan_is_rolled_back_to_its_checkpoint_and_resumed(tmp_path, monkeypatch, name):
+    """Precision-aware with bf16 moments and main gradients: Megatron saves them through the
+    optimizer's ``get_unscaled_state`` and loads them with ``set_scaled_state``; CPU offload: through
+    ``HybridDeviceOptimizer``'s state (torch_dist format, both)."""
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     first, second = rollback_run(Loop(None), tmp_path, f"nan:step=3,count=2,rank=1,phase=local,param={FC1}",
-                                 *VARIANTS["precision_aware_bf16_states"])
+                                 *VARIANTS[name])
     found = incidents(tmp_path)
     assert [(i["step"], i["severity"], i["action"]) for i in found] == [(3, "warning", "skip_step"),
                                                                         (4, "error", "rollback")], found

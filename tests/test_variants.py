@@ -26,7 +26,6 @@ def megatron_args(**flags) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("flags, flag", [
-    ({"optimizer_cpu_offload": True, "use_precision_aware_optimizer": True}, "--optimizer-cpu-offload"),
     ({"use_megatron_fsdp": True}, "--use-megatron-fsdp"),
     ({"use_torch_fsdp2": True}, "--use-torch-fsdp2"),
     ({"num_experts": 4, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "flex"},
@@ -67,6 +66,7 @@ def test_the_no_replica_option_alone_changes_nothing_and_passes():
     {"num_experts": 4, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"},
     {"context_parallel_size": 2},  # tests/test_variant_loops.py
     {"use_precision_aware_optimizer": True, "use_distributed_optimizer": True},
+    {"optimizer_cpu_offload": True, "use_precision_aware_optimizer": True, "use_distributed_optimizer": True},
 ])
 def test_checked_variants_pass(flags):
     variants.refuse_args(megatron_args(**flags))
@@ -112,16 +112,13 @@ def test_the_stand_in_fused_adam_takes_adamw_steps_with_fp32_master_weights_over
         StandInFusedAdam([bf16], exp_avg_dtype=torch.float16)
 
 
-def test_megatron_fsdp_and_cpu_offload_are_refused_from_the_objects_fake_leaf():
-    # Fake leaves: Megatron-FSDP needs CUDA; HybridDeviceOptimizer is named by its class.
+def test_megatron_fsdp_is_refused_from_the_objects_fake_leaf():
+    # Fake leaf: Megatron-FSDP is named by its DDP config.
     params = [torch.nn.Parameter(torch.ones(2))]
     fsdp = SimpleNamespace(optimizer=torch.optim.SGD(params, lr=0.1), config=None,
                            ddp_config=SimpleNamespace(use_megatron_fsdp=True))
     with pytest.raises(UnsupportedConfig, match="^--use-megatron-fsdp "):
         variants.refuse_optimizer(fsdp)
-    HybridDeviceOptimizer = type("HybridDeviceOptimizer", (), {"param_groups": []})
-    with pytest.raises(UnsupportedConfig, match="^--optimizer-cpu-offload "):
-        variants.refuse_optimizer(SimpleNamespace(optimizer=HybridDeviceOptimizer(), config=None))
 
 
 def test_an_fp32_optimizer_over_plain_tensors_is_checked():

@@ -23,7 +23,9 @@ parameters marked as they mark theirs. Without sequence parallel it is ``Wrapped
 The precision-aware optimizer (``use_precision_aware_optimizer``) needs Transformer Engine's
 ``FusedAdam``, a CUDA kernel; :mod:`megatron_patches.testing.fused_adam` stands in for it. Context
 parallelism needs Transformer Engine's attention; :mod:`megatron_patches.testing.context_parallel`
-lets the local attention gather K and V over the CP group instead.
+lets the local attention gather K and V over the CP group instead. The optimizer's CPU offload
+(``HybridDeviceOptimizer``) tells device from host parameters by ``is_cuda``, False for every
+tensor here; :mod:`megatron_patches.testing.cpu_offload` makes the split as on a GPU machine.
 Nothing here is installed by importing this module, and :func:`uninstall` restores every attribute.
 
 This is a test runtime: it makes numbers come out of real megatron-core code on
@@ -41,7 +43,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_patches.testing import context_parallel, fused_adam
+from megatron_patches.testing import context_parallel, cpu_offload, fused_adam
 
 __all__ = ["install", "uninstall", "installed", "cpu_runtime"]
 
@@ -94,6 +96,9 @@ class _NullStream:
         pass
 
     def wait_event(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):  # Event.wait(stream)
         pass
 
     def record_event(self, *args, **kwargs):
@@ -178,6 +183,7 @@ def _redirects() -> list[tuple[Any, str, Any]]:
     items += _sequence_parallel_norm_redirects()
     items += fused_adam.redirects()
     items += context_parallel.redirects()
+    items += cpu_offload.redirects()
     return items
 
 

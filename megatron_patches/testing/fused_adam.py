@@ -125,8 +125,8 @@ def redirects() -> list[tuple[Any, str, Any]]:
     - ``OptimizerConfig.__post_init__`` imports ``FusedAdam`` from ``transformer_engine.pytorch.optimizers``
       to check its keywords; while it runs for a precision-aware config, that import finds the stand-in;
     - ``_get_megatron_optimizer_based_on_param_groups`` builds its Adam from the module global ``Adam``
-      chosen at import (torch's AdamW here); for a precision-aware config the process switches to the
-      stand-in, and megatron-core's distributed optimizer takes its Transformer Engine paths from then on
+      chosen at import (torch's AdamW here); for a precision-aware config (CPU offload included: its
+      device-side optimizer is that ``Adam``) the process switches to the stand-in, and megatron-core's distributed optimizer takes its Transformer Engine paths from then on
       (``step`` kept in the param groups, as FusedAdam keeps it), see :func:`switch`.
     Empty on a megatron-core without the precision-aware optimizer, or with Transformer Engine or Apex.
     """
@@ -144,14 +144,13 @@ def redirects() -> list[tuple[Any, str, Any]]:
 
 
 def _precision_aware(config: Any) -> bool:
-    return bool(getattr(config, "use_precision_aware_optimizer", False)) and not getattr(
-        config, "optimizer_cpu_offload", False)
+    return bool(getattr(config, "use_precision_aware_optimizer", False))
 
 
 def _finding_stand_in(original):
     @functools.wraps(original)
     def post_init(self):
-        if not _precision_aware(self) or _TE_OPTIMIZERS in sys.modules:
+        if not _precision_aware(self) or getattr(self, "optimizer_cpu_offload", False) or _TE_OPTIMIZERS in sys.modules:
             return original(self)
         from megatron.core import utils
 

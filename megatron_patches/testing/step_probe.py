@@ -9,8 +9,8 @@ that each rank appends one JSON line per iteration to ``DIR/rank<R>.jsonl``::
 
 ``weights_changed``: any bit of the model's parameters differs after the step (all virtual stages);
 ``state_changed``: any bit of the optimizer's state differs (each leaf's torch optimizer: its
-parameters, which are the main weights or shards it steps, every state tensor and the groups'
-``step``); ``finite``: every parameter is finite after it; ``weights`` and ``state``: SHA-256 of those bytes
+parameters, which are the main weights or shards it steps, the host copies of CPU offload,
+every state tensor and the groups' ``step``); ``finite``: every parameter is finite after it; ``weights`` and ``state``: SHA-256 of those bytes
 after the step (two runs that agree bit for bit agree on them). A skipped step must leave both
 ``*_changed`` False.
 It reads every byte twice per iteration: for tests only.
@@ -38,6 +38,8 @@ def _tensors_of_optimizer(optimizer: Any) -> Iterator[torch.Tensor]:
         for group in inner.param_groups:
             yield torch.tensor([float(group.get("step", 0) or 0)])
             yield from group["params"]
+        # CPU offload (HybridDeviceOptimizer): the host and fp32 copies its sub-optimizers step.
+        yield from getattr(inner, "param_to_inner_param", {}).values()
         for state in inner.state.values():
             yield from (value for _, value in sorted(state.items()) if torch.is_tensor(value))
 
