@@ -64,7 +64,7 @@ class CheckStage:
         self.peers = peers
         self.model_chunks = model_chunks
         self.seams = seams
-        self._detector_width = sum(d.width() for d in detectors)
+        self._detector_width: Optional[int] = None  # known once the detectors are sized (first check)
         self._entries: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
         self._num_slots: dict[int, int] = {}
         self._static: dict[tuple, tuple] = {}
@@ -84,6 +84,8 @@ class CheckStage:
             saturation: bool) -> Verdict:
         """Check ``optimizer``'s gradients of ``step`` on every rank; ``origin_flag``: this rank's
         pre-reduction flag (:mod:`~megatron_patches.seams.origin`)."""
+        if self._detector_width is None:
+            self._size_detectors(entries)
         ctx, maxabs, vec = self._local(optimizer, entries, step, origin_flag, saturation)
         self.peers.prepare()  # once, while every rank is here
         if torch.distributed.is_initialized():
@@ -107,6 +109,21 @@ class CheckStage:
         flagged = bool(values[_NONFINITE] or values[_OVER_PARAM] or values[_SATURATED] or total_over
                        or kinds or values[_ORIGINS])
         return Verdict(ctx, maxabs, total_over, kinds, reduced, layer_sq, flagged)
+
+    def _size_detectors(self, entries: list) -> None:
+        """Detectors whose width depends on the model agree on it: each rank's sizes, their
+        maximum over the world (one all-reduce of a few integers, at the first check only)."""
+        wanted = [detector.sizes(entries) for detector in self.detectors]
+        flat = [n for sizes in wanted for n in sizes]
+        if flat and torch.distributed.is_initialized():
+            agreed = torch.tensor(flat, dtype=torch.float64, device=collective_device())
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+            flat = [int(n) for n in agreed.tolist()]
+        for detector, sizes in zip(self.detectors, wanted):
+            if sizes:
+                detector.size(flat[:len(sizes)])
+                flat = flat[len(sizes):]
+        self._detector_width = sum(d.width() for d in self.detectors)
 
     def commit(self, verdict: Verdict, accepted: bool) -> None:
         """Tell the detectors whether the step's gradients were applied (their baselines move)."""

@@ -109,11 +109,12 @@ def write_marker(directory: str, step: int, healthy: bool, **extra: Any) -> None
 
 
 def params_finite(model: Any) -> bool:
-    """Every parameter finite on every rank (what a healthy checkpoint needs): one fused
+    """Every parameter finite on every rank (what a healthy checkpoint needs; this rank's shard of
+    a fully sharded one): one fused
     max-abs pass (NaN and Inf survive it, large finite values do not overflow), one
     all-reduce, one host read. Collective: call on every rank."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
-    params = [p for chunk in chunks for p in chunk.parameters() if p.numel() > 0]
+    params = [t for chunk in chunks for p in chunk.parameters() if _holds_data(t := getattr(p, "_local_tensor", p))]
     device = collective_device()
     flag = torch.ones(1, device=device)
     if params:
@@ -121,6 +122,14 @@ def params_finite(model: Any) -> bool:
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
     return bool(flag.item() == 1.0)
+
+
+def _holds_data(tensor: torch.Tensor) -> bool:
+    """A non-empty tensor whose storage holds its elements: FSDP's shards (``_local_tensor`` of a
+    DTensor) qualify; Megatron-FSDP's unsharded parameters between their all-gathers (storage
+    freed to zero bytes) do not, their data lives in the shards."""
+    needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+    return tensor.numel() > 0 and tensor.untyped_storage().nbytes() >= needed
 
 
 def list_checkpoints(root: str) -> list[tuple[int, str, bool]]:

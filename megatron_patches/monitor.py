@@ -212,7 +212,7 @@ class GradMonitor:
         if not self.seams.covers(chunks):
             if self.drills:
                 self.counters["injected"] += len(self.drills.apply(step, "local", self.rank, self.seams.named_grads(chunks)))
-            if step % self.config.check_interval == 0:
+            if step % self.config.check_interval == 0 and not self.seams.reduced_in_backward(chunks):
                 self.origin.before_reduction(chunks)
         for detector in self.detectors:
             detector.before_reduction(chunks, step)

@@ -45,6 +45,10 @@ class Seams(Protocol):
     def covers(self, model_chunks: list) -> bool:
         """True where Megatron DDP's own ``start_grad_sync`` carries the pre-reduction pass."""
 
+    def reduced_in_backward(self, model_chunks: list) -> bool:
+        """True where the chunks' gradients are reduce-scattered inside backward (FSDP): there is no
+        view of a rank's own gradient before the reduction."""
+
     def named_grads(self, model_chunks: list) -> list:
         """``(name, order, grad)`` of the chunks' parameters, for models outside Megatron DDP."""
 

@@ -1,21 +1,20 @@
 """Megatron configurations the guard does not check yet, refused at start in one line.
 
 A variant the guard cannot read correctly must stop the job before the first step, never leave
-its gradients silently unchecked. Two places ask, so that both ways in are covered:
-
-- :func:`refuse_args`: Megatron-LM's parsed arguments, before the checkpoint load
-  (:mod:`megatron_patches.seams.megatron_lm`);
-- :func:`refuse_optimizer`: the optimizer objects themselves, when the guard first pairs
-  parameters with their gradients (:func:`megatron_patches.seams.optimizer_params.build_entries`),
-  for users who build megatron-core optimizers without Megatron-LM's argument parser.
+its gradients silently unchecked: :func:`refuse_args` reads Megatron-LM's parsed arguments before
+the checkpoint load (:mod:`megatron_patches.seams.megatron_lm`). Every megatron-core optimizer
+leaf is read (:func:`megatron_patches.seams.optimizer_params.param_pairs`), so no check on the
+optimizer objects is left.
 
 Checked and tested (not refused): FP32, Float16 and distributed optimizers (``--bf16``/``--fp16``,
 ``--use-distributed-optimizer``, ``--overlap-grad-reduce``), tensor and pipeline parallel, and
 interleaved (virtual) pipelines, MTP, mixture-of-experts with expert parallelism (alltoall and
 allgather dispatchers, expert tensor parallel size 1; docs/moe.md), the precision-aware optimizer
 (``--use-precision-aware-optimizer``: the bf16 shards' ``decoupled_grad`` is read), its CPU offload
-(``--optimizer-cpu-offload``: read there too, before ``HybridDeviceOptimizer`` copies it to the host) and context
-parallelism (``--context-parallel-size``: ranks named with their ``cp``); tests/test_variant_loops.py.
+(``--optimizer-cpu-offload``: read there too, before ``HybridDeviceOptimizer`` copies it to the host), context
+parallelism (``--context-parallel-size``: ranks named with their ``cp``), torch FSDP2
+(``--use-torch-fsdp2``) and Megatron-FSDP (``--use-megatron-fsdp``): each rank's shard of the DTensor
+gradients, after the reduce-scatter of backward; tests/test_variant_loops.py.
 """
 
 from __future__ import annotations
@@ -59,11 +58,6 @@ def unsupported_flag(args: Any) -> Optional[tuple[str, str]]:
     for name in HIGH_AVAILABILITY_ARGS:
         if on(name):
             return "--" + name.replace("_", "-"), HIGH_AVAILABILITY_WHY
-    if on("use_megatron_fsdp") or on("use_custom_fsdp"):
-        flag = "--use-megatron-fsdp" if on("use_megatron_fsdp") else "--use-custom-fsdp"
-        return flag, "DTensor gradient shards are not read yet"
-    if on("use_torch_fsdp2"):
-        return "--use-torch-fsdp2", "DTensor gradient shards are not read yet"
     if getattr(args, "num_experts", None) and getattr(args, "moe_token_dispatcher_type", None) == "flex":
         return ("--moe-token-dispatcher-type flex",
                 "the DeepEP/HybridEP dispatcher is CUDA-only and has not run with the guard; use alltoall or allgather")
@@ -71,16 +65,3 @@ def unsupported_flag(args: Any) -> Optional[tuple[str, str]]:
         return ("--expert-tensor-parallel-size",
                 "experts split over tensor-parallel ranks have not run with the guard yet; set it to 1")
     return None
-
-
-def refuse_optimizer(leaf: Any) -> None:
-    """Raise :class:`UnsupportedConfig` when a megatron-core leaf optimizer is a variant whose
-    gradients :func:`~megatron_patches.seams.optimizer_params.param_pairs` would miss or misread."""
-    inner = getattr(leaf, "optimizer", None)
-    ddp = getattr(leaf, "ddp_config", None)
-    if getattr(ddp, "use_megatron_fsdp", False) or getattr(ddp, "use_custom_fsdp", False):
-        raise _unsupported("--use-megatron-fsdp", "DTensor gradient shards are not read yet")
-    for group in getattr(inner, "param_groups", None) or []:
-        for p in group["params"]:
-            if type(p).__name__ == "DTensor" or type(getattr(p, "grad", None)).__name__ == "DTensor":
-                raise _unsupported("--use-torch-fsdp2", "DTensor gradient shards are not read yet")

@@ -123,8 +123,11 @@ def test_by_default_megatron_computes_every_norm_under_the_guard(tmp_path):
     ("--bf16", "--context-parallel-size", "2"),  # the stand-in CP attention (megatron_patches.testing.context_parallel)
     ("--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer", "--optimizer-cpu-offload",
      "--optimizer-offload-fraction", "0.5", "--no-pin-cpu-grads", "--no-pin-cpu-params"),
+    ("--use-torch-fsdp2", "--untie-embeddings-and-output-weights"),
+    ("--use-megatron-fsdp", "--no-gradient-reduce-div-fusion", "--ckpt-format", "fsdp_dtensor"),
 ], ids=["dp2-bf16-distopt", "dp2-fp16-distopt", "dp2-fp32", "tp2-bf16", "pp2-bf16", "moe-ep2-bf16",
-        "dp2-precision-aware-bf16-states", "dp2-precision-aware", "cp2-bf16", "dp2-cpu-offload-half"])
+        "dp2-precision-aware-bf16-states", "dp2-precision-aware", "cp2-bf16", "dp2-cpu-offload-half", "dp2-torch-fsdp2",
+        "dp2-megatron-fsdp"])
 def test_a_guarded_megatron_lm_run_equals_an_unguarded_one_bit_for_bit(tmp_path, layout):
     """Megatron-LM's packaged loop on 2 ranks, 20 iterations, the same seed: with the guard
     (default config) and without it (the runner's --no-guard) every iteration's loss and grad
@@ -133,8 +136,9 @@ def test_a_guarded_megatron_lm_run_equals_an_unguarded_one_bit_for_bit(tmp_path,
     bf16 DP2 losses differed."""
     config = tmp_path / "guard.yaml"
     config.write_text(f"report_dir: {tmp_path / 'reports'}\n")
+    fsdp = bool({"--use-torch-fsdp2", "--use-megatron-fsdp"} & set(layout))  # Megatron wants > 1 connection there
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MEGATRON_PATCHES_CONFIG": str(config),
-           "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+           "CUDA_DEVICE_MAX_CONNECTIONS": "8" if fsdp else "1"}
     lines, outputs = {}, {}
     probes = {}
     for mode in ((), ("--no-guard",)):

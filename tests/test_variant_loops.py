@@ -37,7 +37,19 @@ VARIANTS = {
     "cp2": CP2,
     "cpu_offload": OFFLOAD,  # --optimizer-offload-fraction 1 (Megatron's default)
     "cpu_offload_half": (*OFFLOAD, "--optimizer-offload-fraction", "0.5"),
+    "torch_fsdp2": ("--use-torch-fsdp2", "--untie-embeddings-and-output-weights"),
+    "megatron_fsdp": ("--use-megatron-fsdp", "--no-gradient-reduce-div-fusion", "--ckpt-format", "fsdp_dtensor"),
 }
+SHARDED = {name for name, flags in VARIANTS.items()
+           if {"--use-distributed-optimizer", "--use-torch-fsdp2", "--use-megatron-fsdp"} & set(flags)}
+DRILL_RANK = {"megatron_fsdp": 1}
+"""Where the drill writes: a rank holding part of fc1 (Megatron-FSDP's uneven shards leave rank 0 none)."""
+
+
+def connections(flags) -> str:
+    """CUDA_DEVICE_MAX_CONNECTIONS as Megatron's argument validation wants it: 1 for tensor and
+    context parallelism, more than 1 for FSDP (either)."""
+    return "8" if {"--use-torch-fsdp2", "--use-megatron-fsdp"} & set(flags) else "1"
 NO_DROPOUT = ("--attention-dropout", "0", "--hidden-dropout", "0")
 
 
@@ -58,35 +70,40 @@ def test_a_nan_the_optimizer_would_apply_is_named_and_its_step_leaves_weights_an
     """The drill writes the NaN into the gradient the optimizer applies on rank 0: under the
     precision-aware optimizer the shards' ``decoupled_grad`` (the fp32 or bf16 main gradient beside
     a bf16 parameter shard, ``.grad`` None), rank 0's shard of fc1; with CPU offload the same, before
-    ``HybridDeviceOptimizer.step`` copies it to the host copies it steps."""
-    env = {**guard_env(tmp_path, inject=[f"nan:step=3,rank=0,phase=grad,param={FC1}"]),
-           step_probe.ENV: str(tmp_path / "probe"), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    ``HybridDeviceOptimizer.step`` copies it to the host copies it steps; under FSDP2 and
+    Megatron-FSDP the rank's shard of the DTensor gradient, after the reduce-scatter."""
+    rank = DRILL_RANK.get(name, 0)
+    env = {**guard_env(tmp_path, inject=[f"nan:step=3,rank={rank},phase=grad,param={FC1}"]),
+           step_probe.ENV: str(tmp_path / "probe"), "CUDA_DEVICE_MAX_CONNECTIONS": connections(VARIANTS[name])}
     proc = Loop(None).run(env, *VARIANTS[name])
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     [incident] = incidents(tmp_path)
     assert (incident["step"], incident["action"], incident["kind"]) == (3, "skip_step", "nan"), incident
     first = incident["first"]
-    sharded = "--use-distributed-optimizer" in VARIANTS[name]
-    assert (first["name"], first["layer"], first["shard"], first["nan"]) == (FC1, 1, sharded, 1), first
-    assert first["ranks"]["global"] == 0 and first["ranks"]["dp"] == 0
+    assert (first["name"], first["layer"], first["shard"], first["nan"]) == (FC1, 1, name in SHARDED, 1), first
+    assert first["ranks"]["global"] == rank and first["ranks"]["dp"] == rank
+    assert first["shape"] == [256, 64]  # the parameter's, not its shard's
     logged = iterations(output)
     assert sorted(logged) == [1, 2, 3, 4, 5, 6] and "number of skipped iterations:   1" in logged[3]
     assert_only_the_skipped_steps_left_everything_untouched(tmp_path / "probe", skipped={3}, last=6)
 
 
-@pytest.mark.parametrize("name", ["precision_aware_bf16_states", "cpu_offload_half"])
+@pytest.mark.parametrize("name", ["precision_aware_bf16_states", "cpu_offload_half", "torch_fsdp2", "megatron_fsdp"])
 def test_optimizer_variant_persistent_nan_is_rolled_back_to_its_checkpoint_and_resumed(tmp_path, monkeypatch, name):
     """Precision-aware with bf16 moments and main gradients: Megatron saves them through the
     optimizer's ``get_unscaled_state`` and loads them with ``set_scaled_state``; CPU offload: through
-    ``HybridDeviceOptimizer``'s state (torch_dist format, both)."""
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    first, second = rollback_run(Loop(None), tmp_path, f"nan:step=3,count=2,rank=1,phase=local,param={FC1}",
+    ``HybridDeviceOptimizer``'s state (torch_dist format, both); FSDP2: DTensor shards in torch_dist;
+    Megatron-FSDP: its fsdp_dtensor format. Under FSDP the drill lands in the gradient after the
+    reduce-scatter (there is no view of a rank's own gradient before it): phase grad."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", connections(VARIANTS[name]))
+    phase = "grad" if name.endswith("fsdp2") or name.endswith("fsdp") else "local"
+    first, second = rollback_run(Loop(None), tmp_path, f"nan:step=3,count=2,rank=1,phase={phase},param={FC1}",
                                  *VARIANTS[name])
     found = incidents(tmp_path)
     assert [(i["step"], i["severity"], i["action"]) for i in found] == [(3, "warning", "skip_step"),
                                                                         (4, "error", "rollback")], found
-    assert all(i["origin_ranks"] == [1] and i["first"]["name"] == FC1 for i in found)
+    assert all(i["first"]["name"] == FC1 and i["first"]["ranks"]["global"] == 1 for i in found)
     assert re.search(r"successfully loaded checkpoint from .* at iteration\s+2\b", second), second[-4000:]
     assert sorted(iterations(second)) == [5, 6]
 

@@ -26,8 +26,6 @@ def megatron_args(**flags) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("flags, flag", [
-    ({"use_megatron_fsdp": True}, "--use-megatron-fsdp"),
-    ({"use_torch_fsdp2": True}, "--use-torch-fsdp2"),
     ({"num_experts": 4, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "flex"},
      "--moe-token-dispatcher-type flex"),
     ({"num_experts": 4, "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2},
@@ -67,6 +65,7 @@ def test_the_no_replica_option_alone_changes_nothing_and_passes():
     {"context_parallel_size": 2},  # tests/test_variant_loops.py
     {"use_precision_aware_optimizer": True, "use_distributed_optimizer": True},
     {"optimizer_cpu_offload": True, "use_precision_aware_optimizer": True, "use_distributed_optimizer": True},
+    {"use_torch_fsdp2": True}, {"use_megatron_fsdp": True, "use_distributed_optimizer": True},
 ])
 def test_checked_variants_pass(flags):
     variants.refuse_args(megatron_args(**flags))
@@ -83,7 +82,6 @@ def test_precision_aware_leaves_pair_the_bf16_shards_with_their_decoupled_grad()
                            shard_fp32_from_float16_groups=[[None]], model_fp32_groups=[[]], shard_fp32_groups=[[]],
                            config=SimpleNamespace(use_precision_aware_optimizer=True,
                                                   use_precision_aware_optimizer_no_fp8_or_ds_fp8=True))
-    variants.refuse_optimizer(leaf)
     assert list(optimizer_params.param_pairs(leaf)) == [(shard, model, True)]
     assert optimizer_params.optimizer_grad(shard, optimizer_params.uses_decoupled_grad(leaf)) is shard.decoupled_grad
 
@@ -110,34 +108,6 @@ def test_the_stand_in_fused_adam_takes_adamw_steps_with_fp32_master_weights_over
     assert torch.equal(bf16.detach(), master.to(torch.bfloat16))
     with pytest.raises(ValueError, match="exp_avg_dtype=torch.float16 needs Transformer Engine's scaled states"):
         StandInFusedAdam([bf16], exp_avg_dtype=torch.float16)
-
-
-def test_megatron_fsdp_is_refused_from_the_objects_fake_leaf():
-    # Fake leaf: Megatron-FSDP is named by its DDP config.
-    params = [torch.nn.Parameter(torch.ones(2))]
-    fsdp = SimpleNamespace(optimizer=torch.optim.SGD(params, lr=0.1), config=None,
-                           ddp_config=SimpleNamespace(use_megatron_fsdp=True))
-    with pytest.raises(UnsupportedConfig, match="^--use-megatron-fsdp "):
-        variants.refuse_optimizer(fsdp)
-
-
-def test_an_fp32_optimizer_over_plain_tensors_is_checked():
-    leaf = SimpleNamespace(optimizer=torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1), config=None)
-    variants.refuse_optimizer(leaf)
-
-
-def test_torch_fsdp2_dtensor_parameters_are_refused():
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    from torch.distributed.tensor import DTensor
-
-    fake_dtensor = type("DTensor", (torch.nn.Parameter,), {})  # the class name is what is read
-    assert DTensor.__name__ == fake_dtensor.__name__
-    leaf = SimpleNamespace(optimizer=SimpleNamespace(param_groups=[{"params": [fake_dtensor(torch.ones(2))]}]),
-                           config=None)
-    with pytest.raises(UnsupportedConfig, match="^--use-torch-fsdp2 "):
-        variants.refuse_optimizer(leaf)
 
 
 def test_megatrons_rerun_checkpoint_is_told_apart_from_an_ordinary_save():

@@ -60,8 +60,18 @@ class Detector:
     name = "detector"
 
     def width(self) -> int:
-        """Floats this detector adds to the reduced vector; fixed for the run, equal on all ranks."""
+        """Floats this detector adds to the reduced vector; fixed for the run (after
+        :meth:`size`, when it has sizes), equal on all ranks."""
         return 0
+
+    def sizes(self, entries: list) -> list:
+        """Integers this detector's width depends on, from this rank's view (its checked
+        ``entries``). At the first check every rank's are all-reduced (maximum) in one small
+        collective and handed to :meth:`size`; none (the default) costs nothing."""
+        return []
+
+    def size(self, agreed: list) -> None:
+        """Fix :meth:`width` from the ranks' largest :meth:`sizes`."""
 
     def local(self, ctx: CheckContext, out: torch.Tensor) -> None:
         """Fill ``out`` (``width`` floats, zeros on entry) with device ops only: no host reads."""

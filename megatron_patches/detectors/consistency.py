@@ -129,7 +129,7 @@ class ConsistencyDetector(Detector):
         if not self._active:
             return
         key, ranks, group = self._dp_group()
-        if len(ranks) < 2:
+        if len(ranks) < 2 or self._fully_sharded(ctx):
             self._active = False
             return
         tensors, norms = self._fingerprinted(ctx)
@@ -156,6 +156,16 @@ class ConsistencyDetector(Detector):
         both = torch.cat([ints, -ints]).float().to(out.device)
         torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=group)
         out[0] = (both[:4] + both[4:]).sum()  # largest minus smallest: 0 when the group agrees
+
+    def _fully_sharded(self, ctx: CheckContext) -> bool:
+        """Torch FSDP2 and Megatron-FSDP (DTensor parameters): each data-parallel rank holds its own
+        shard of the parameters and of the gradients, no replicas to compare; the same answer on
+        every rank of the job, logged once."""
+        sharded = any(getattr(e.model, "_local_tensor", None) is not None for e in ctx.entries)
+        if sharded and not self._warned:
+            log.info("consistency check off: fully sharded data parallel keeps no replicas to compare")
+            self._warned = True
+        return sharded
 
     def _fingerprinted(self, ctx: CheckContext) -> tuple[list, Optional[torch.Tensor]]:
         """What the replicas must agree on: dense gradients with their norms (already read by the

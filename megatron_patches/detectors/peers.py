@@ -25,7 +25,9 @@ slot are judged together). Roles are numbered in the sorted order of the layer t
 the same on every stage of a model built from one layer spec. Each rank with layer tensors adds
 a hash of its role table, its square and its role count, so a job whose stages differ
 (heterogeneous layers) is seen from the reduced values alone, identically on every rank: the
-detector logs one warning and stays off, as it does when ``max_slots`` is too small. The
+detector logs one warning and stays off, as it does when ``max_slots`` is too small. The layer
+slots number layers x tensors per layer of the model (at most ``max_slots``), agreed by the ranks
+at the first check (:meth:`Detector.sizes`). The
 verdict is numpy over floats the monitor has already read; the fast path adds device ops only.
 
 Not seen: a spike shared by the same tensor in every layer (its peers rise with it: the
@@ -90,6 +92,8 @@ class PeersDetector(Detector):
         self._model_roles: Optional[list] = None  # from the model chunks, once
         self._hash = 0.0
         self._over = False
+        self._capacity = cfg.max_slots
+        """Layer slots in the vector: layers x tensors per layer of the model, at most max_slots."""
         self._off_logged = False
         self._flags: set = set()  # (role, layer) pairs and peerless slots flagged this check
         self._tripped: list = []
@@ -102,7 +106,17 @@ class PeersDetector(Detector):
     # --- fast path -------------------------------------------------------------------
 
     def width(self) -> int:
-        return _HEAD + _PEERLESS + self.cfg.max_slots
+        return _HEAD + _PEERLESS + self._capacity
+
+    def sizes(self, entries: list) -> list:
+        """[layers, tensors per layer] as this rank sees them (the model's role table where known)."""
+        layers = max((e.info.layer + 1 for e in entries if e.info.layer is not None), default=0)
+        roles = self._model_roles or {role_of(e.info.name) for e in entries if e.info.layer is not None}
+        return [layers, len(roles)]
+
+    def size(self, agreed: list) -> None:
+        layers, roles = agreed
+        self._capacity = min(self.cfg.max_slots, layers * roles)
 
     def local(self, ctx: CheckContext, out: torch.Tensor) -> None:
         self._checks += 1
@@ -127,7 +141,7 @@ class PeersDetector(Detector):
         layered, over = reduced[_LAYERED], reduced[_OVER]
         roles = round(reduced[_ROLES] / layered) if layered > 0 else 0
         layers = len(ctx.layer_norms or []) - 2
-        if over > 0 or layers * roles > self.cfg.max_slots:
+        if over > 0 or layers * roles > self._capacity:
             self._warn_off(f"the model needs more than max_slots={self.cfg.max_slots} slots "
                            f"(layers x tensors per layer)")
             return []
@@ -216,7 +230,7 @@ class PeersDetector(Detector):
                     self._names.setdefault(index[-1], set()).add(e.info.name)
                 else:
                     index.append(_PEERLESS + e.info.layer * len(roles) + where[role_of(e.info.name)])
-            self._over = any(i >= _PEERLESS + self.cfg.max_slots for i in index)
+            self._over = any(i >= _PEERLESS + self._capacity for i in index)
             self._roles = roles
             # 8 bits: the sums of h and h^2 stay exact in fp32 up to 256 ranks (a mismatch among
             # more may go unnoticed; the decision is still the same on every rank).

@@ -82,5 +82,13 @@ def covers(model_chunks: list) -> bool:
     return True
 
 
+def reduced_in_backward(model_chunks: list) -> bool:
+    """Whether a chunk is fully sharded (torch FSDP2, Megatron-FSDP: its parameters are DTensors):
+    each gradient is reduce-scattered by the FSDP hooks during backward, so by
+    ``finalize_model_grads`` no rank holds its own unreduced gradient any more."""
+    return any(getattr(p, "_local_tensor", None) is not None for chunk in model_chunks or ()
+               for p in chunk.parameters())
+
+
 def _hooked(cls: type) -> bool:
     return already_hooked(inspect.getattr_static(cls, "start_grad_sync", None))

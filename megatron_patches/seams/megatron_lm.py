@@ -96,7 +96,7 @@ class MegatronLMSession:
         if self.rollback is not None:
             return
         args = get_args()
-        _refuse_unsupported(args, optimizer)
+        _refuse_unsupported(args)
         if self.monitor.config.recovery.keep_checkpoints is not None:
             if collectives.rank() == 0:
                 log.error("recovery.keep_checkpoints is the tiny-GPT harness's retention; Megatron-LM's loop "
@@ -198,22 +198,19 @@ def _advise(args: Any) -> None:
                  "and the guard decides (docs/megatron_lm.md)")
 
 
-def _refuse_unsupported(args: Any, optimizer: Any = None) -> None:
+def _refuse_unsupported(args: Any) -> None:
     """Stop every rank with exit code 2 and one line (rank 0) when the job uses a variant the
     guard does not check yet (:mod:`megatron_patches.variants`): never run it unchecked. Asked
-    on the arguments before the model is built (``optimizer`` None; a variant's model may not
-    even build on this machine) and again on the built optimizer."""
+    on the arguments before the model is built (a variant's model may not even build on this
+    machine) and again before the scheduler, where the arguments are parsed inside ``pretrain``."""
     from .. import variants
     from ..errors import UnsupportedConfig
-    from .optimizer_params import leaves
 
     from .mindspeed import refuse_unchecked_paths
 
     try:
         variants.refuse_args(args)
         refuse_unchecked_paths(args)  # MindSpeed's quantized and LayerZeRO steps skip prepare_grads
-        for leaf in leaves(optimizer) if optimizer is not None else ():
-            variants.refuse_optimizer(leaf)
     except UnsupportedConfig as exc:
         if collectives.rank() == 0:
             log.error("%s", exc)

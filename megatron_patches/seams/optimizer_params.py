@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from .. import naming, variants
+from .. import naming
 
 
 @dataclass
@@ -54,9 +54,10 @@ def param_pairs(leaf: Any):
             yield from ((s, m, False) for m, s in zip(models, mains))
         for group in leaf.fp32_from_fp32_groups:
             yield from ((p, p, False) for p in group)
-    else:  # FP32Optimizer: the optimizer steps the model parameters themselves
+    else:  # FP32Optimizer, and Megatron-FSDP's distributed optimizer: the model parameters themselves
         for group in leaf.optimizer.param_groups:
-            yield from ((p, p, False) for p in group["params"])
+            # Fully sharded (torch FSDP2, Megatron-FSDP): DTensors, each rank stepping its own shard.
+            yield from ((p, p, local(p) is not p) for p in group["params"])
 
 
 def uses_decoupled_grad(leaf: Any) -> bool:
@@ -75,7 +76,6 @@ def build_entries(optimizer: Any, model_chunks: list) -> tuple[list[Entry], int]
     expert_dp = ps.get_expert_data_parallel_world_size() if ps and hasattr(ps, "get_expert_data_parallel_world_size") else 1
     entries = []
     for leaf in leaves(optimizer):
-        variants.refuse_optimizer(leaf)  # a variant param_pairs would misread stops the job here
         # Distributed-optimizer shards are held once per optimizer instance (usually one).
         instances = int(getattr(getattr(leaf, "ddp_config", None), "num_distributed_optimizer_instances", 1) or 1)
         for index, (main, model, shard) in enumerate(param_pairs(leaf)):
@@ -91,19 +91,26 @@ def build_entries(optimizer: Any, model_chunks: list) -> tuple[list[Entry], int]
     return entries, num_layers + 2
 
 
+def local(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """This rank's shard of a DTensor (its ``_local_tensor``, a view: writes reach the DTensor),
+    any other tensor (or None) as it is."""
+    shard = getattr(tensor, "_local_tensor", None)
+    return tensor if shard is None else shard
+
+
 def model_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     """The gradient a model parameter has gathered in backward, before the optimizer sees it:
     its view into Megatron DDP's gradient buffer (``main_grad``) where it has one, else
-    ``.grad`` (a module outside DDP). None when backward left it none."""
+    ``.grad`` (a module outside DDP; this rank's shard under FSDP). None when backward left it none."""
     grad = getattr(param, "main_grad", None)
-    return grad if grad is not None else param.grad
+    return local(grad if grad is not None else param.grad)
 
 
 def optimizer_grad(main: torch.Tensor, decoupled: bool) -> Optional[torch.Tensor]:
     """The gradient the optimizer applies to ``main`` (a parameter it steps, see
     :func:`param_pairs`): ``decoupled_grad`` under the precision-aware optimizer (``decoupled``:
-    :func:`uses_decoupled_grad` of a leaf), else ``.grad``."""
-    return getattr(main, "decoupled_grad", None) if decoupled else main.grad
+    :func:`uses_decoupled_grad` of a leaf), else ``.grad``; this rank's shard of a DTensor."""
+    return local(getattr(main, "decoupled_grad", None) if decoupled else main.grad)
 
 
 def current_grads(optimizer: Any, entries: list[Entry]):

@@ -24,6 +24,8 @@ checkout assumes CUDA in a few more places, each redirected here and nowhere els
   answers :data:`CPU_ARCH_VERSION` (9, a Hopper part's major version), so Megatron applies the
   rules of the GPUs most users train on: ``CUDA_DEVICE_MAX_CONNECTIONS=1`` must be set for TP/CP.
 
+Torch FSDP2 and Megatron-FSDP need a few more (:mod:`megatron_patches.testing.fsdp`).
+
 The rest (``'cuda'`` devices in training.py, ``torch.cuda.Stream`` in ``get_model``) is handled by
 the CPU runtime's device rewrite and stream stand-ins. Nothing is installed by importing this module.
 """
@@ -44,7 +46,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from megatron_patches.testing import cpu
+from megatron_patches.testing import cpu, fsdp
 
 __all__ = ["install", "uninstall", "installed"]
 
@@ -192,6 +194,7 @@ def _redirects() -> list[tuple[Any, str, Any]]:
     fused_kernels = initialize.__dict__.get("fused_kernels")  # megatron.legacy, gone in main
     if fused_kernels is not None:
         items.append((fused_kernels, "load", _skip_fused_kernels))
+    items += fsdp.redirects()
     if not distrib_optimizer.HAVE_APEX_OR_TE:
         owner = distrib_optimizer.DistributedOptimizer
         items.append(

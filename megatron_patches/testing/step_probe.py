@@ -7,7 +7,8 @@ that each rank appends one JSON line per iteration to ``DIR/rank<R>.jsonl``::
     {"iteration": 3, "weights_changed": false, "state_changed": false, "finite": true,
      "weights": "9f2c...", "state": "41d0..."}
 
-``weights_changed``: any bit of the model's parameters differs after the step (all virtual stages);
+``weights_changed``: any bit of the model's parameters differs after the step (all virtual stages;
+under Megatron-FSDP its weight shards);
 ``state_changed``: any bit of the optimizer's state differs (each leaf's torch optimizer: its
 parameters, which are the main weights or shards it steps, the host copies of CPU offload,
 every state tensor and the groups' ``step``); ``finite``: every parameter is finite after it; ``weights`` and ``state``: SHA-256 of those bytes
@@ -47,12 +48,20 @@ def _tensors_of_optimizer(optimizer: Any) -> Iterator[torch.Tensor]:
 def _digest(tensors) -> str:
     digest = hashlib.sha256()
     for tensor in tensors:
-        digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        tensor = getattr(tensor, "_local_tensor", tensor)  # a DTensor (FSDP): this rank's shard
+        # A copy: numpy() would mark the storage as not resizable, and FSDP resizes storages.
+        digest.update(tensor.detach().clone().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
-def _model_params(model: Any) -> list:
+def _weights(model: Any, optimizer: Any) -> list:
+    """The model's parameters; under Megatron-FSDP the sharded weights the optimizer steps
+    instead (it frees the storage of the unsharded parameters until the next forward gathers
+    them, and after a skipped step nothing gathers them before that forward)."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
+    if any(getattr(getattr(c, "ddp_config", None), "use_megatron_fsdp", False) for c in chunks):
+        return [p for leaf in getattr(optimizer, "chained_optimizers", None) or [optimizer]
+                for group in leaf.optimizer.param_groups for p in group["params"]]
     return [p for chunk in chunks for p in chunk.parameters()]
 
 
@@ -67,13 +76,13 @@ def install(directory: str) -> None:
     @functools.wraps(original)
     def train_step(*args, **kwargs):
         bound = signature.bind(*args, **kwargs).arguments
-        params = _model_params(bound["model"])
+        params = _weights(bound["model"], bound["optimizer"])
         before = (_digest(params), _digest(_tensors_of_optimizer(bound["optimizer"])))
         result = original(*args, **kwargs)
         after = (_digest(params), _digest(_tensors_of_optimizer(bound["optimizer"])))
         line = {"iteration": int(get_args().curr_iteration) + 1, "weights_changed": before[0] != after[0],
                 "state_changed": before[1] != after[1],
-                "finite": all(bool(torch.isfinite(p).all()) for p in params),
+                "finite": all(bool(torch.isfinite(getattr(p, "_local_tensor", p)).all()) for p in params),
                 "weights": after[0], "state": after[1]}
         rank = torch.distributed.get_rank()
         with open(Path(directory) / f"rank{rank}.jsonl", "a") as out:
