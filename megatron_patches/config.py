@@ -183,8 +183,9 @@ class PeersConfig:
     """Flag a tensor outside the layers (embeddings, final norm, output layer: no peers) whose
     gradient norm is more than this many times the norm of the rest of the model."""
     max_slots: int = field(default=4096, metadata={"check": _at_least_one})
-    """Floats for the layer tensors in the one all-reduce (32 more serve the others): layers x
-    tensors per layer of the whole model must fit, or the detector warns once and stays off."""
+    """Most floats for the layer tensors in the one all-reduce (32 more serve the others): the
+    detector takes layers x tensors per layer of the whole model (agreed by the ranks at the first
+    check), up to this many; a model that needs more leaves it off with one warning."""
     interval: int = field(default=1, metadata={"check": _at_least_one})
     """Judge every N-th checked step only (the slots travel as zeros on the others)."""
 

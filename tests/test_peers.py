@@ -150,3 +150,22 @@ def test_clean_text_sweep_10000_steps_raises_nothing(tmp_path):
           f"max share {max(r['max_share'] for r in rows)}")
     assert sum(r["steps"] for r in rows) >= 10_000
     assert all(not r["incidents"] for r in rows), [r for r in rows if r["incidents"]]
+
+
+def test_the_layer_table_is_the_models_size_agreed_by_the_ranks_not_a_fixed_max_slots():
+    # The vector every rank all-reduces: 5 + 32 floats and layers x tensors per layer, the ranks'
+    # largest counts (a pipeline stage sees only its layers); max_slots is only a cap.
+    from types import SimpleNamespace
+
+    from megatron_patches.detectors.peers import PeersDetector
+
+    detector = PeersDetector(Config().detectors.peers)
+    assert detector.width() == 5 + 32 + 4096  # before the first check
+    entry = lambda name, layer: SimpleNamespace(info=SimpleNamespace(name=name, layer=layer))  # noqa: E731
+    stage_1 = [entry(f"decoder.layers.{i}.{t}", i) for i in (2, 3) for t in ("a.weight", "b.weight", "b.bias")]
+    assert detector.sizes(stage_1 + [entry("output_layer.weight", None)]) == [4, 3]
+    detector.size([96, 12])
+    assert detector.width() == 5 + 32 + 96 * 12
+    capped = PeersDetector(Config.from_dict({"detectors": {"peers": {"max_slots": 100}}}).detectors.peers)
+    capped.size([96, 12])
+    assert capped.width() == 5 + 32 + 100

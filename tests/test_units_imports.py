@@ -120,6 +120,7 @@ PROCESS_STATE = {
     ("megatron_patches.seams.patching", "_unwatch"): "the process's import watchers for late-imported targets",
     ("megatron_patches.testing.cpu", "_state"): "the CPU runtime's redirects of torch and Megatron",
     ("megatron_patches.testing.megatron_lm_cpu", "_state"): "the CPU runtime's redirects of Megatron-LM's loop",
+    ("megatron_patches.testing.fused_adam", "_switched"): "megatron-core's Adam globals the CPU runtime switched to the stand-in",
 }
 _MUTABLE_CALLS = {"dict", "list", "set", "defaultdict", "OrderedDict", "WeakKeyDictionary", "WeakValueDictionary",
                   "WeakSet", "Injector"}

@@ -65,7 +65,12 @@ def assert_only_the_skipped_steps_left_everything_untouched(probe_dir, skipped: 
             assert (line["weights_changed"], line["state_changed"], line["finite"]) == (moved, moved, True), (rank, line)
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+# CI keeps one of each pair (bf16 states, offload fraction 1); make test-all runs every variant.
+SLOW_IN_CI = {"precision_aware", "cpu_offload_half"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_IN_CI else n
+                                  for n in sorted(VARIANTS)])
 def test_a_nan_the_optimizer_would_apply_is_named_and_its_step_leaves_weights_and_state_untouched(tmp_path, name):
     """The drill writes the NaN into the gradient the optimizer applies on rank 0: under the
     precision-aware optimizer the shards' ``decoupled_grad`` (the fp32 or bf16 main gradient beside
@@ -89,7 +94,8 @@ def test_a_nan_the_optimizer_would_apply_is_named_and_its_step_leaves_weights_an
     assert_only_the_skipped_steps_left_everything_untouched(tmp_path / "probe", skipped={3}, last=6)
 
 
-@pytest.mark.parametrize("name", ["precision_aware_bf16_states", "cpu_offload_half", "torch_fsdp2", "megatron_fsdp"])
+@pytest.mark.parametrize("name", [pytest.param("precision_aware_bf16_states", marks=pytest.mark.slow),
+                                  "cpu_offload_half", "torch_fsdp2", "megatron_fsdp"])
 def test_optimizer_variant_persistent_nan_is_rolled_back_to_its_checkpoint_and_resumed(tmp_path, monkeypatch, name):
     """Precision-aware with bf16 moments and main gradients: Megatron saves them through the
     optimizer's ``get_unscaled_state`` and loads them with ``set_scaled_state``; CPU offload: through
