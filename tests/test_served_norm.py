@@ -112,6 +112,7 @@ def test_by_default_megatron_computes_every_norm_under_the_guard(tmp_path):
     # fp16, fp32 and PP2 in make test-all (slow): CI keeps one layout per seam (distopt, TP, EP)
     pytest.param(("--fp16", "--initial-loss-scale", "65536", "--use-distributed-optimizer"), marks=pytest.mark.slow),
     pytest.param((), marks=pytest.mark.slow),  # fp32, plain DDP
+    pytest.param(("--use-distributed-optimizer",), marks=pytest.mark.slow),  # fp32 shards
     ("--bf16", "--tensor-model-parallel-size", "2"),
     pytest.param(("--bf16", "--pipeline-model-parallel-size", "2"), marks=pytest.mark.slow),
     ("--bf16", "--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
@@ -125,15 +126,26 @@ def test_by_default_megatron_computes_every_norm_under_the_guard(tmp_path):
      "--optimizer-offload-fraction", "0.5", "--no-pin-cpu-grads", "--no-pin-cpu-params"),
     ("--use-torch-fsdp2", "--untie-embeddings-and-output-weights"),
     ("--use-megatron-fsdp", "--no-gradient-reduce-div-fusion", "--ckpt-format", "fsdp_dtensor"),
-], ids=["dp2-bf16-distopt", "dp2-fp16-distopt", "dp2-fp32", "tp2-bf16", "pp2-bf16", "moe-ep2-bf16",
+], ids=["dp2-bf16-distopt", "dp2-fp16-distopt", "dp2-fp32", "dp2-fp32-distopt", "tp2-bf16", "pp2-bf16", "moe-ep2-bf16",
         "dp2-precision-aware-bf16-states", "dp2-precision-aware", "cp2-bf16", "dp2-cpu-offload-half", "dp2-torch-fsdp2",
         "dp2-megatron-fsdp"])
 def test_a_guarded_megatron_lm_run_equals_an_unguarded_one_bit_for_bit(tmp_path, layout):
     """Megatron-LM's packaged loop on 2 ranks, 20 iterations, the same seed: with the guard
     (default config) and without it (the runner's --no-guard) every iteration's loss and grad
     norm are the same to the digits Megatron prints, and every rank's weights and optimizer state
-    the same to the bit after every iteration (SHA-256, megatron_patches.testing.step_probe). With serve_norm on, 14 of the first 20
-    bf16 DP2 losses differed."""
+    the same to the bit after every iteration (SHA-256, megatron_patches.testing.step_probe). With
+    serve_norm on, 14 of the first 20 bf16 DP2 losses differed."""
+    _guarded_equals_unguarded(tmp_path, layout, nproc=2)
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(not _packaged_loop_available(), reason="megatron-core ships megatron/training from 0.17 on")
+@pytest.mark.parametrize("layout", [("--bf16",), pytest.param((), marks=pytest.mark.slow)], ids=["bf16", "fp32"])
+def test_a_guarded_one_rank_run_equals_an_unguarded_one_bit_for_bit(tmp_path, layout):
+    _guarded_equals_unguarded(tmp_path, layout, nproc=1)
+
+
+def _guarded_equals_unguarded(tmp_path, layout: tuple, nproc: int) -> None:
     config = tmp_path / "guard.yaml"
     config.write_text(f"report_dir: {tmp_path / 'reports'}\n")
     fsdp = bool({"--use-torch-fsdp2", "--use-megatron-fsdp"} & set(layout))  # Megatron wants > 1 connection there
@@ -144,7 +156,7 @@ def test_a_guarded_megatron_lm_run_equals_an_unguarded_one_bit_for_bit(tmp_path,
     for mode in ((), ("--no-guard",)):
         probes[mode] = tmp_path / f"probe{len(mode)}"
         code, output = run_packaged_loop({**env, step_probe.ENV: str(probes[mode])},
-                                         [*TINY_GPT_ARGS, "--train-iters", "20", *layout, *mode])
+                                         [*TINY_GPT_ARGS, "--train-iters", "20", *layout, *mode], nproc=nproc)
         assert code == 0, output[-4000:]
         outputs[mode], lines[mode] = output, ITERATION.findall(output)
     assert "[megatron_patches] guarding megatron-core" in outputs[()]
@@ -152,5 +164,5 @@ def test_a_guarded_megatron_lm_run_equals_an_unguarded_one_bit_for_bit(tmp_path,
     assert len(lines[()]) == 20 and lines[()] == lines[("--no-guard",)], lines
     # Every bit of every rank's weights and optimizer state after every iteration.
     guarded, unguarded = (step_probe.read(probes[mode]) for mode in ((), ("--no-guard",)))
-    assert len(guarded) == 2 and all(len(lines) == 20 for lines in guarded.values())
+    assert len(guarded) == nproc and all(len(lines) == 20 for lines in guarded.values())
     assert guarded == unguarded
