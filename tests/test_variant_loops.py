@@ -43,7 +43,7 @@ VARIANTS = {
 SHARDED = {name for name, flags in VARIANTS.items()
            if {"--use-distributed-optimizer", "--use-torch-fsdp2", "--use-megatron-fsdp"} & set(flags)}
 DRILL_RANK = {"megatron_fsdp": 1}
-"""Where the drill writes: a rank holding part of fc1 (Megatron-FSDP's uneven shards leave rank 0 none)."""
+"""Where the drill writes: a rank holding part of fc1 (under Megatron-FSDP's uneven shards rank 1 does)."""
 
 
 def connections(flags) -> str:
