@@ -35,7 +35,8 @@ setup(
         "npu": ["torch_npu"],
         "megatron-lm": MEGATRON_LM_IMPORTS,
         # The report plot, TensorBoard, W&B (offline) and Megatron-LM loop paths are tested in CI too.
-        "test": ["pytest>=7", "matplotlib", "tensorboard", "wandb", *MEGATRON_LM_IMPORTS],
+        # einops: megatron-core's Megatron-FSDP imports it (tests/test_variant_loops.py).
+        "test": ["pytest>=7", "matplotlib", "tensorboard", "wandb", "einops", *MEGATRON_LM_IMPORTS],
         "plot": ["matplotlib"],
         "tensorboard": ["tensorboard"],
     },
