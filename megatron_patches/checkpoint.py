@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from .collectives import collective_device, rank, world_size
+from .collectives import collective_device, local_shard, rank, world_size
 from .files import write_json_atomic
 from .rng import rng_state, set_rng_state  # trainer and monitor import these from here too
 
@@ -114,7 +114,7 @@ def params_finite(model: Any) -> bool:
     max-abs pass (NaN and Inf survive it, large finite values do not overflow), one
     all-reduce, one host read. Collective: call on every rank."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
-    params = [t for chunk in chunks for p in chunk.parameters() if _holds_data(t := getattr(p, "_local_tensor", p))]
+    params = [t for chunk in chunks for p in chunk.parameters() if _holds_data(t := local_shard(p))]
     device = collective_device()
     flag = torch.ones(1, device=device)
     if params:

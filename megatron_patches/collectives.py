@@ -21,6 +21,13 @@ def world_size() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
+def local_shard(tensor: Any) -> Any:
+    """This rank's shard of a DTensor (its ``_local_tensor``, a view: writes reach the DTensor; a
+    torch FSDP2 or Megatron-FSDP parameter or gradient), anything else (None included) as it is."""
+    shard = getattr(tensor, "_local_tensor", None)
+    return tensor if shard is None else shard
+
+
 def collective_device() -> torch.device:
     """Where tensors for this job's collectives live: the accelerator under nccl/hccl, else CPU."""
     if torch.distributed.is_initialized() and torch.distributed.get_backend() != "gloo":

@@ -161,7 +161,7 @@ class ConsistencyDetector(Detector):
         """Torch FSDP2 and Megatron-FSDP (DTensor parameters): each data-parallel rank holds its own
         shard of the parameters and of the gradients, no replicas to compare; the same answer on
         every rank of the job, logged once."""
-        sharded = any(getattr(e.model, "_local_tensor", None) is not None for e in ctx.entries)
+        sharded = any(collectives.local_shard(e.model) is not e.model for e in ctx.entries)
         if sharded and not self._warned:
             log.info("consistency check off: fully sharded data parallel keeps no replicas to compare")
             self._warned = True

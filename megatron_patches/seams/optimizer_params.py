@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 from .. import naming
+from ..collectives import local_shard
 
 
 @dataclass
@@ -57,7 +58,7 @@ def param_pairs(leaf: Any):
     else:  # FP32Optimizer, and Megatron-FSDP's distributed optimizer: the model parameters themselves
         for group in leaf.optimizer.param_groups:
             # Fully sharded (torch FSDP2, Megatron-FSDP): DTensors, each rank stepping its own shard.
-            yield from ((p, p, local(p) is not p) for p in group["params"])
+            yield from ((p, p, local_shard(p) is not p) for p in group["params"])
 
 
 def uses_decoupled_grad(leaf: Any) -> bool:
@@ -91,26 +92,19 @@ def build_entries(optimizer: Any, model_chunks: list) -> tuple[list[Entry], int]
     return entries, num_layers + 2
 
 
-def local(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """This rank's shard of a DTensor (its ``_local_tensor``, a view: writes reach the DTensor),
-    any other tensor (or None) as it is."""
-    shard = getattr(tensor, "_local_tensor", None)
-    return tensor if shard is None else shard
-
-
 def model_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     """The gradient a model parameter has gathered in backward, before the optimizer sees it:
     its view into Megatron DDP's gradient buffer (``main_grad``) where it has one, else
     ``.grad`` (a module outside DDP; this rank's shard under FSDP). None when backward left it none."""
     grad = getattr(param, "main_grad", None)
-    return local(grad if grad is not None else param.grad)
+    return local_shard(grad if grad is not None else param.grad)
 
 
 def optimizer_grad(main: torch.Tensor, decoupled: bool) -> Optional[torch.Tensor]:
     """The gradient the optimizer applies to ``main`` (a parameter it steps, see
     :func:`param_pairs`): ``decoupled_grad`` under the precision-aware optimizer (``decoupled``:
     :func:`uses_decoupled_grad` of a leaf), else ``.grad``; this rank's shard of a DTensor."""
-    return local(getattr(main, "decoupled_grad", None) if decoupled else main.grad)
+    return local_shard(getattr(main, "decoupled_grad", None) if decoupled else main.grad)
 
 
 def current_grads(optimizer: Any, entries: list[Entry]):

@@ -8,7 +8,7 @@ about this torch / the torch-optimizer fallback (no Transformer Engine or Apex h
 - This torch: ``Parameter(DTensor).to_local()`` returns a new view at each call (torch 2.9+), and
   megatron-core's optimizer checkpointing pairs each optimizer parameter with its model tensor by
   the identity of that view, so no pair is found at save or load ("Param id ... does not match
-  any model sharded param"). :func:`_shard_itself` returns the shard object (``_local_tensor``).
+  any model sharded param"). :func:`~megatron_patches.collectives.local_shard` returns the shard object (``_local_tensor``).
 - Torch-optimizer fallback: under FSDP2 a ``torch_dist`` load fills parameters and Adam moments in
   place and never calls the optimizer's ``load_state_dict``, so torch's Adam has no ``step`` on
   the next update (KeyError). :func:`_with_adam_steps_restored` puts the checkpoint's step back.
@@ -28,10 +28,7 @@ from typing import Any
 
 import torch
 
-
-def _shard_itself(tensor: Any) -> Any:
-    shard = getattr(tensor, "_local_tensor", None)
-    return tensor if shard is None else shard
+from megatron_patches.collectives import local_shard
 
 
 def _cpu_mesh(mesh_class: Any) -> type:
@@ -109,7 +106,7 @@ def redirects() -> list[tuple[Any, str, Any]]:
     from megatron.core.dist_checkpointing import optimizer as checkpoint_optimizer
 
     if "to_local_if_dtensor" in checkpoint_optimizer.__dict__:
-        items.append((checkpoint_optimizer, "to_local_if_dtensor", _shard_itself))
+        items.append((checkpoint_optimizer, "to_local_if_dtensor", local_shard))
     from megatron.training import checkpointing, training
 
     if "_load_base_checkpoint" in checkpointing.__dict__:

@@ -28,6 +28,8 @@ from typing import Any, Iterator
 
 import torch
 
+from megatron_patches.collectives import local_shard
+
 ENV = "MEGATRON_PATCHES_STEP_PROBE"
 
 
@@ -48,7 +50,7 @@ def _tensors_of_optimizer(optimizer: Any) -> Iterator[torch.Tensor]:
 def _digest(tensors) -> str:
     digest = hashlib.sha256()
     for tensor in tensors:
-        tensor = getattr(tensor, "_local_tensor", tensor)  # a DTensor (FSDP): this rank's shard
+        tensor = local_shard(tensor)  # a DTensor (FSDP): this rank's shard
         # A copy: numpy() would mark the storage as not resizable, and FSDP resizes storages.
         digest.update(tensor.detach().clone().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
@@ -82,7 +84,7 @@ def install(directory: str) -> None:
         after = (_digest(params), _digest(_tensors_of_optimizer(bound["optimizer"])))
         line = {"iteration": int(get_args().curr_iteration) + 1, "weights_changed": before[0] != after[0],
                 "state_changed": before[1] != after[1],
-                "finite": all(bool(torch.isfinite(getattr(p, "_local_tensor", p)).all()) for p in params),
+                "finite": all(bool(torch.isfinite(local_shard(p)).all()) for p in params),
                 "weights": after[0], "state": after[1]}
         rank = torch.distributed.get_rank()
         with open(Path(directory) / f"rank{rank}.jsonl", "a") as out:
