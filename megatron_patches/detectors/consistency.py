@@ -101,6 +101,7 @@ class ConsistencyDetector(Detector):
         self._mine: dict[int, list[str]] = {}
         self._who: dict[int, dict] = {}
         self._warned = False
+        self._sharded: Optional[bool] = None  # fully sharded data parallel (FSDP): decided at the first check
 
     # --- layout ----------------------------------------------------------------------
 
@@ -159,13 +160,17 @@ class ConsistencyDetector(Detector):
 
     def _fully_sharded(self, ctx: CheckContext) -> bool:
         """Torch FSDP2 and Megatron-FSDP (DTensor parameters): each data-parallel rank holds its own
-        shard of the parameters and of the gradients, no replicas to compare; the same answer on
-        every rank of the job, logged once."""
-        sharded = any(collectives.local_shard(e.model) is not e.model for e in ctx.entries)
-        if sharded and not self._warned:
-            log.info("consistency check off: fully sharded data parallel keeps no replicas to compare")
-            self._warned = True
-        return sharded
+        shard of the parameters and of the gradients, no replicas to compare. Read off the model
+        (every rank of the job answers alike, also one whose shards hold no gradient this step),
+        else off the checked entries; decided once, logged once."""
+        if self._sharded is None:
+            tensors = [p for chunk in self._live_chunks() for p in chunk.parameters()] or [e.model for e in ctx.entries]
+            if not tensors:
+                return False
+            self._sharded = any(collectives.local_shard(t) is not t for t in tensors)
+            if self._sharded:
+                log.info("consistency check off: fully sharded data parallel keeps no replicas to compare")
+        return self._sharded
 
     def _fingerprinted(self, ctx: CheckContext) -> tuple[list, Optional[torch.Tensor]]:
         """What the replicas must agree on: dense gradients with their norms (already read by the
