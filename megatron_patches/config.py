@@ -345,7 +345,9 @@ class Config:
     fewer per checked step. The guard sums in another order than Megatron, so the norm differs in
     the last bits, and bf16 training amplifies that: guard on and guard off drift apart (6.5e-5
     relative in the loss within 40 steps, DP2 bf16). Off (the default): Megatron computes its own
-    norm and a guarded run equals an unguarded one bit for bit."""
+    norm and a guarded run equals an unguarded one bit for bit. Even when on, Megatron computes
+    its own norm with bf16 main gradients (its kernel sums them otherwise) and under Megatron-FSDP
+    (its optimizer computes the norm and clips in one call)."""
     report_dir: str = "megatron_patches_reports"
     """Directory for incidents.jsonl and fault scenes (relative paths are taken from the cwd)."""
     overflow_mode: Literal["auto", "ieee", "saturation"] = "auto"

@@ -15,13 +15,17 @@ parallelism needs its attention, here the local attention gathering K and V over
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
 
 from megatron_patches.testing import step_probe
-from test_megatron_lm import FC1, Loop, _packaged_loop_available, guard_env, incidents, iterations, rollback_run
+from test_megatron_lm import (FC1, REPO, TINY, Loop, _packaged_loop_available, guard_env, incidents, iterations,
+                             rollback_run)
 
 pytestmark = [pytest.mark.multiproc,
               pytest.mark.skipif(not _packaged_loop_available(),
@@ -169,3 +173,34 @@ def test_the_stand_in_context_parallel_attention_trains_as_one_rank_does(tmp_pat
     assert len(logged[1]) == 6 and len(logged[2]) == 6
     for cp, one in zip(logged[2], logged[1]):
         assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(cp, one)), logged
+
+
+SERVES_THE_NORM = {"precision_aware": True, "precision_aware_bf16_states": False, "cp2": True, "cpu_offload_half": True,
+                   "torch_fsdp2": True, "megatron_fsdp": False}
+"""Whether ``serve_norm: true`` hands Megatron the guard's norm under the variant. Not with bf16 main
+gradients (Megatron's own kernel sums those; megatron_patches.seams.served_norm) nor under
+Megatron-FSDP, whose optimizer computes the norm and clips in one call (``clip_grad_norm``)."""
+
+
+@pytest.mark.parametrize("name", [n if n in ("precision_aware_bf16_states", "torch_fsdp2") else
+                                  pytest.param(n, marks=pytest.mark.slow) for n in sorted(SERVES_THE_NORM)])
+def test_serve_norm_under_a_variant_serves_megatrons_own_norm_or_leaves_it_to_megatron(tmp_path, name):
+    """``serve_norm: true``, 6 iterations, Megatron's norm computation watched (tests/norm_audit.py):
+    where the guard serves, every step's norm equals what Megatron's own code gives for the same
+    gradients to float32 rounding; elsewhere Megatron computes every norm itself."""
+    audit = tmp_path / "audit"
+    env = {**guard_env(tmp_path, serve_norm=True), "CUDA_DEVICE_MAX_CONNECTIONS": connections(VARIANTS[name])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(REPO / "tests" / "norm_audit.py"), "--run-module", "megatron_patches.testing.pretrain_cpu",
+               *TINY, *VARIANTS[name], "--out", str(audit)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert incidents(tmp_path) == [] and sorted(iterations(proc.stdout)) == list(range(1, 7))
+    for rank in (0, 1):
+        audited = json.loads((audit / f"norm_audit.rank{rank}.json").read_text())
+        served = audited["served"]
+        if SERVES_THE_NORM[name]:
+            assert audited["stock_calls"] == [] and [step for step, _, _ in served] == list(range(1, 7)), audited
+            assert all(abs(mine - stock) <= 1e-6 * stock for _, mine, stock in served), served
+        else:
+            assert served == [] and audited["stock_calls"] == list(range(1, 7)), audited

@@ -15,13 +15,19 @@ recomputing it, when all of these hold, and runs Megatron's own code otherwise:
 - the call is on the optimizer the guard checked, the outermost one (a leaf of a chain called
   on its own gets its own stock norm);
 - it is the first call since that check: a later call may come after clipping;
+- the optimizer's gradients are float32. With the precision-aware optimizer and
+  ``--main-grads-dtype bf16`` Megatron sums bf16 gradients with a kernel of its own: on the CPU
+  fallback each tensor's norm is rounded to bf16 first, on a GPU TE's multi-tensor kernel keeps
+  float32. The guard's per-tensor norms match neither to the bit (2e-3 relative apart on the
+  CPU, measured), so there Megatron computes its own norm. Decided from the optimizer's
+  config, the same on every rank;
 - none of those gradients was replaced or changed in place since (tensor version counters,
   read on the host without touching the data: gradients zeroed by the guard, a skipped step's
   gradients recomputed, anything a custom loop did in between).
 
-Every rank answers the first three alike (the check and its step are the same on all ranks),
+Every rank answers the first four alike (the check and its step are the same on all ranks),
 so either every rank of Megatron's norm group leaves out its all-reduce or none does. The
-fourth is rank-local: only a loop that changes some ranks' gradients between ``prepare_grads``
+fifth is rank-local: only a loop that changes some ranks' gradients between ``prepare_grads``
 and ``get_grad_norm`` could split them, which no Megatron path does.
 
 What stays stock: 0.19+'s per-group norms (``_compute_grad_norms_by_group``: MTP parameters,
@@ -38,7 +44,7 @@ from typing import Any, Optional
 import torch
 
 from ..collectives import collective_device
-from .optimizer_params import current_grads
+from .optimizer_params import current_grads, leaves, uses_decoupled_grad
 from ..protocols import Guard
 
 
@@ -59,6 +65,9 @@ class CheckedNorm:
 def remember(monitor: Guard, optimizer: Any, step: int, total_norm: float, entries: list, grads: list) -> None:
     """Called by the monitor after each check (not a replay): ``total_norm`` is the world-wide
     norm of ``grads``, the gradients of ``entries`` that ``optimizer`` is about to clip."""
+    if not grads_in_float32(optimizer):
+        monitor.checked_norm = None  # Megatron's own kernel for bf16 gradients (see the module's conditions)
+        return
     monitor.checked_norm = CheckedNorm(weakref.ref(optimizer), step, total_norm, entries,
                                        tuple(weakref.ref(g) for g in grads), tuple(g._version for g in grads))
 
@@ -75,6 +84,14 @@ def take(monitor: Guard, optimizer: Any) -> Optional[Any]:
         return None
     monitor.count("served_norms")
     return _as_megatron_returns(checked.total_norm, now[0].device if now else collective_device())
+
+
+def grads_in_float32(optimizer: Any) -> bool:
+    """Whether every leaf of ``optimizer`` steps on float32 gradients: all but a precision-aware
+    leaf whose ``main_grads_dtype`` is narrower (its ``decoupled_grad`` then has that dtype)."""
+    return all(getattr(leaf, "config", None) is None or not uses_decoupled_grad(leaf)
+               or getattr(leaf.config, "main_grads_dtype", torch.float32) == torch.float32
+               for leaf in leaves(optimizer))
 
 
 def _as_megatron_returns(norm: float, device: torch.device) -> Any:
