@@ -182,7 +182,7 @@ gradients (Megatron's own kernel sums those; megatron_patches.seams.served_norm)
 Megatron-FSDP, whose optimizer computes the norm and clips in one call (``clip_grad_norm``)."""
 
 
-@pytest.mark.parametrize("name", [n if n in ("precision_aware_bf16_states", "torch_fsdp2") else
+@pytest.mark.parametrize("name", [n if n == "precision_aware_bf16_states" else
                                   pytest.param(n, marks=pytest.mark.slow) for n in sorted(SERVES_THE_NORM)])
 def test_serve_norm_under_a_variant_serves_megatrons_own_norm_or_leaves_it_to_megatron(tmp_path, name):
     """``serve_norm: true``, 6 iterations, Megatron's norm computation watched (tests/norm_audit.py):
