@@ -28,6 +28,12 @@ def local_shard(tensor: Any) -> Any:
     return tensor if shard is None else shard
 
 
+def fully_sharded(tensors: Any) -> bool:
+    """Whether any of ``tensors`` is a DTensor (torch FSDP2, Megatron-FSDP parameters): each rank
+    holds its own shard, no rank a replica of the whole."""
+    return any(local_shard(t) is not t for t in tensors)
+
+
 def collective_device() -> torch.device:
     """Where tensors for this job's collectives live: the accelerator under nccl/hccl, else CPU."""
     if torch.distributed.is_initialized() and torch.distributed.get_backend() != "gloo":

@@ -167,7 +167,7 @@ class ConsistencyDetector(Detector):
             tensors = [p for chunk in self._live_chunks() for p in chunk.parameters()] or [e.model for e in ctx.entries]
             if not tensors:
                 return False
-            self._sharded = any(collectives.local_shard(t) is not t for t in tensors)
+            self._sharded = collectives.fully_sharded(tensors)
             if self._sharded:
                 log.info("consistency check off: fully sharded data parallel keeps no replicas to compare")
         return self._sharded

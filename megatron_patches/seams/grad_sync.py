@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from . import bucket_norms
-from ..collectives import local_shard
+from ..collectives import fully_sharded
 from .marks import already_hooked
 
 def start_grad_sync(monitor: Any, group: Any, call: Callable[[], Any]) -> Any:
@@ -87,7 +87,7 @@ def reduced_in_backward(model_chunks: list) -> bool:
     """Whether a chunk is fully sharded (torch FSDP2, Megatron-FSDP: its parameters are DTensors):
     each gradient is reduce-scattered by the FSDP hooks during backward, so by
     ``finalize_model_grads`` no rank holds its own unreduced gradient any more."""
-    return any(local_shard(p) is not p for chunk in model_chunks or () for p in chunk.parameters())
+    return fully_sharded(p for chunk in model_chunks or () for p in chunk.parameters())
 
 
 def _hooked(cls: type) -> bool:
