@@ -580,9 +580,7 @@ def _scenario(mindspeed_dir: str, kind: str, out: str) -> dict:
         digest = hashlib.sha256(b"".join(a.numpy().tobytes() for a in after)).hexdigest()
         return {"nan": nan, **event, "weights": digest}
 
-    import megatron_patches.seams.mindspeed as integration
-
-    real_undo = integration.undo_prepare_on_skip
+    from megatron_patches.seams import MegatronSeams
 
     def convert_back_only(optimizer):  # the undo without its parameter all-gather
         leaves = getattr(optimizer, "chained_optimizers", None) or [optimizer]
@@ -597,7 +595,6 @@ def _scenario(mindspeed_dir: str, kind: str, out: str) -> dict:
                           ("reference", (False, False)), ("no_gather", (True,)), ("lone", (True, False))):
         if variant == "no_gather" and torch.distributed.get_world_size() == 1:
             continue
-        integration.undo_prepare_on_skip = undo_for.get(variant, real_undo)
         # Ours after MindSpeed's, as in a pretrain_gpt.py that imports mindspeed.megatron_adaptor first.
         runtime.uninstall()
         monitor = runtime.install(Config.from_dict({"report_dir": os.path.join(out, f"{kind}-{variant}")}))
@@ -605,7 +602,14 @@ def _scenario(mindspeed_dir: str, kind: str, out: str) -> dict:
         leaves = getattr(optimizer, "chained_optimizers", None) or [optimizer]
         # 0.16.1 always returns a ChainedOptimizer; "lone" steps its leaf as 0.12.1 does with one.
         stepped = leaves[0] if variant == "lone" else optimizer
-        events = [step(model, stepped, nan) for nan in nans]
+        # The undo is switched where the running code looks it up, not where it is defined: the skip
+        # hook calls wrappers' own name (a ``from .mindspeed import``), the scaler's skip calls the
+        # monitor's seams (MegatronSeams' staticmethod, bound at import).
+        with pytest.MonkeyPatch.context() as patch:
+            if variant in undo_for:
+                patch.setattr(wrappers, "undo_prepare_on_skip", undo_for[variant])
+                patch.setattr(MegatronSeams, "undo_prepare_on_skip", staticmethod(undo_for[variant]))
+            events = [step(model, stepped, nan) for nan in nans]
         prepare = MixedPrecisionOptimizer.prepare_grads
         result[variant] = {
             "events": events,
@@ -615,7 +619,6 @@ def _scenario(mindspeed_dir: str, kind: str, out: str) -> dict:
             "reuse_detected": all(converted_by_prepare(leaf) for leaf in leaves),
             "prepare_grads_from": getattr(prepare, "__wrapped__", prepare).__module__,
         }
-    integration.undo_prepare_on_skip = real_undo
     runtime.uninstall()
     return result
 
