@@ -255,21 +255,25 @@ class Injector:
             if index in self._started or any(i == index for i, _ in self._fired):
                 self._fired.update((index, s) for s in range(spec.step, spec.step + spec.count))
 
-    def has_targets(self, rank: int, param_names: Iterable[str], module_names: Iterable[str]) -> list[float]:
-        """Per spec, 1.0 when it has something to act on on this rank: a parameter (``param``) or
-        module (``module``) its pattern matches here, on its ``rank`` only when it names one.
-        Specs without a pattern (the model's first parameter, poison, kill) count as having one
-        where their rank exists. Summed over the job (:func:`unmatched`), a zero is a drill that
-        would silently do nothing."""
-        params, modules = list(param_names), list(module_names)
+    def holds(self, params: Iterable[tuple[str, int]], stepped: Iterable[tuple[str, int]],
+              modules: Iterable[str]) -> list[float]:
+        """Per spec, 1.0 when this rank holds what it acts on, whichever rank the spec names:
+        phase ``grad``, a gradient among ``stepped`` (what this rank's optimizer steps: under the
+        distributed optimizer, its shard only); phase ``local``, a parameter among ``params``;
+        module phases, a module among ``modules``. ``params`` and ``stepped`` are (global name,
+        forward order); without ``param`` a spec targets forward order 0. Poison and kill act on
+        any rank. Gathered over the job, :func:`unmatched` names the ranks that hold each target."""
+        targets = {"grad": list(stepped), "local": list(params)}
+        modules = list(modules)
         hits = []
         for spec in self.specs:
-            here = spec.rank is None or spec.rank == rank
-            pattern, names = (spec.module, modules) if spec.phase in MODULE_PHASES else (spec.param, params)
-            if spec.kind in ("poison", "kill") or pattern is None:
-                hits.append(float(here))
+            if spec.kind in ("poison", "kill"):
+                hits.append(1.0)
+            elif spec.phase in MODULE_PHASES:
+                hits.append(float(any(fnmatch.fnmatchcase(name, spec.module) for name in modules)))
             else:
-                hits.append(float(here and any(fnmatch.fnmatchcase(name, pattern) for name in names)))
+                hits.append(float(any(order == 0 if spec.param is None else fnmatch.fnmatchcase(name, spec.param)
+                                      for name, order in targets[spec.phase])))
         return hits
 
     def due(self, step: int, phase: str, rank: int) -> list[tuple[int, InjectionSpec]]:
@@ -307,41 +311,69 @@ class Injector:
 
 
 
-def unmatched(injector: Injector, hits_by_rank: list[list[float]], param_names: Iterable[str],
+def _rank_list(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2, 5``: one short line however many ranks hold a target."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _missed(spec: InjectionSpec, holders: list[int], params: list[str], modules: list[str]) -> str:
+    """Why ``spec`` would do nothing: the ranks that hold its target when it is bound to another,
+    else the nearest names (from this rank's ``params`` or ``modules``)."""
+    on = "" if spec.rank is None else f" on rank {spec.rank}"
+    among = f" among the gradients the optimizer steps{on}" if spec.phase == "grad" else on
+    if spec.phase in MODULE_PHASES:
+        pattern, names, why = spec.module, modules, f"no module matches {spec.module!r}{on}"
+    elif spec.param is None:
+        pattern, names, why = None, params, f"the model's first parameter is not{among or ' held'}"
+    else:
+        pattern, names, why = spec.param, params, f"no parameter matches {spec.param!r}{among}"
+    if holders:
+        return f"{spec.text!r} ({why}; held on rank(s) {_rank_list(holders)}: bind it to one of them or drop rank)"
+    nearest = difflib.get_close_matches(pattern, names, n=2, cutoff=0.0) if pattern is not None else []
+    return f"{spec.text!r} ({why}{'; nearest: ' + ', '.join(nearest) if nearest else ''})"
+
+
+def unmatched(injector: Injector, holds_by_rank: list[list[float]], param_names: Iterable[str],
               module_names: Iterable[str]) -> Optional[str]:
-    """One line naming the drills no rank had a target for (``hits_by_rank``: every rank's
-    :meth:`Injector.has_targets`), or None when every drill has one. ``param_names`` and
-    ``module_names``: this rank's, from which the nearest to each pattern are suggested."""
-    world = len(hits_by_rank)
+    """One line naming the drills that would do nothing (``holds_by_rank``: every rank's
+    :meth:`Injector.holds`), or None when every drill has a target: a target no rank holds, a
+    ``rank`` the job does not have, or a ``rank`` that does not hold it (the line names those that
+    do). ``param_names`` and ``module_names``: this rank's, from which the nearest are suggested."""
+    world = len(holds_by_rank)
     params, modules = sorted(param_names), sorted(module_names)
     missed = []
     for index, spec in enumerate(injector.specs):
-        if any(hits[index] for hits in hits_by_rank):
-            continue
+        holders = [rank for rank, holds in enumerate(holds_by_rank) if holds[index]]
         if spec.rank is not None and spec.rank >= world:
             missed.append(f"{spec.text!r} (rank {spec.rank} is outside the job's {world} rank(s))")
-            continue
-        what, pattern, names = ("module", spec.module, modules) if spec.phase in MODULE_PHASES else \
-            ("parameter", spec.param, params)
-        nearest = difflib.get_close_matches(pattern, names, n=2, cutoff=0.0)
-        missed.append(f"{spec.text!r} (no {what} matches {pattern!r}"
-                      f"{'' if spec.rank is None else f' on rank {spec.rank}'}; nearest: {', '.join(nearest)})")
+        elif not holders or (spec.rank is not None and spec.rank not in holders):
+            missed.append(_missed(spec, holders, params, modules))
     if not missed:
         return None
     return (f"drill(s) that would do nothing: {'; '.join(missed)}; patterns are fnmatch on global names "
             "without wrapper prefixes")
 
 
-def refuse_unmatched(injector: Injector, chunks: list, rank: int) -> None:
-    """At the first step, on every rank: a drill with nothing to act on in the whole job stops every
-    rank with exit code 2 and one line (rank 0, :func:`unmatched`), rather than rehearse nothing
-    and look like a miss. Nothing to match without drills or without a registered model."""
+def refuse_unmatched(injector: Injector, chunks: list, rank: int, stepped: Iterable[tuple[Any, Any]]) -> None:
+    """At the first step, on every rank: a drill that would do nothing (:func:`unmatched`) stops
+    every rank with exit code 2 and one line from rank 0, rather than rehearse nothing and look
+    like a miss. ``stepped``: (entry, gradient or None) of what this rank's optimizer steps, as
+    :meth:`~megatron_patches.protocols.Seams.current_grads` yields them; a phase=grad drill acts
+    there only (under the distributed optimizer, on the ranks whose shard holds the parameter).
+    Nothing to match without drills or without a registered model."""
     if not injector.specs or not chunks:
         return
-    names = [info.name for info in naming.name_parameters(chunks).values()]
+    params = [(info.name, info.order) for info in naming.name_parameters(chunks).values()]
+    grads = [(entry.info.name, entry.info.order) for entry, grad in stepped if grad is not None and grad.numel()]
     modules = [name for name, _, _ in naming.name_modules(chunks)]
-    every_rank = collectives.all_gather_floats(injector.has_targets(rank, names, modules))
-    line = unmatched(injector, every_rank, names, modules)
+    every_rank = collectives.all_gather_floats(injector.holds(params, grads, modules))
+    line = unmatched(injector, every_rank, [name for name, _ in params], modules)
     if line is not None:
         if rank == 0:
             log.error("%s", line)

@@ -175,7 +175,8 @@ class GradMonitor:
         """Run after Megatron's ``prepare_grads``; returns True to skip the update."""
         if not self._drills_checked:  # once, at the first step, when every rank is here
             self._drills_checked = True
-            inject.refuse_unmatched(self.drills, self.model_chunks.chunks_for(optimizer), self.rank)
+            inject.refuse_unmatched(self.drills, self.model_chunks.chunks_for(optimizer), self.rank,
+                                    self.seams.current_grads(optimizer, self.stage.entries_for(optimizer)))
         if not self._step_set:
             self._step += 1
         self._step_set = False

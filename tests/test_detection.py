@@ -216,16 +216,19 @@ def test_dp2_origin_rank_leads_the_record_and_the_report(tmp_path):
 @pytest.mark.multiproc
 def test_a_drill_with_nothing_to_act_on_in_the_job_is_refused_at_the_first_step(tmp_path):
     """PP2: layer 1 lives on rank 1 only. A drill on it without a rank is matched by the job; the same
-    drill bound to rank 0 would do nothing: every rank exits 2 before any update, rank 0 saying why
-    in one line."""
+    drill bound to rank 0 would do nothing, as would a forward drill on layer 1's MLP bound to rank 0:
+    every rank exits 2 before any update, rank 0 saying why in one line, naming rank 1 as the holder."""
     layer1 = "decoder.layers.1.mlp.linear_fc1.weight"
     run = run_tiny(tmp_path, "--steps", "4", "--pp", "2", "--inject", f"nan:step=3,param={layer1}",
-                   "--inject", f"nan:step=3,param={layer1},rank=0", nproc=2,
+                   "--inject", f"nan:step=3,param={layer1},rank=0",
+                   "--inject", "spike:step=3,phase=forward,module=decoder.layers.1.mlp,rank=0", nproc=2,
                    process=True)  # torchrun's own ending of rank 0 is part of what is tested
     assert run.returncode != 0 and "exitcode  : 2" in run.output, run.output[-3000:]
     [line] = [line for line in run.output.splitlines() if "drill(s) that would do nothing" in line]
-    assert f"'nan:step=3,param={layer1},rank=0' (no parameter matches '{layer1}' on rank 0; nearest: " \
-           "decoder.layers.0.mlp.linear_fc1.weight" in line
+    assert f"'nan:step=3,param={layer1},rank=0' (no parameter matches '{layer1}' among the gradients the " \
+           "optimizer steps on rank 0; held on rank(s) 1: bind it to one of them or drop rank)" in line
+    assert "'spike:step=3,phase=forward,module=decoder.layers.1.mlp,rank=0' (no module matches " \
+           "'decoder.layers.1.mlp' on rank 0; held on rank(s) 1: " in line
     assert f"'nan:step=3,param={layer1}' (" not in line
     assert "Traceback" not in run.output.split("failed (exitcode")[0]  # torchrun's own summary follows
     assert not (tmp_path / "result.json").exists()

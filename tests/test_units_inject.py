@@ -158,17 +158,51 @@ def test_targets_are_matched_per_rank_and_summed_over_the_job():
         "kill:step=3,rank=4",                            # a rank the job does not have
         "nan:step=2",                                    # the model's first parameter: somewhere
         "poison:sample=5")])
-    rank0 = drills.has_targets(0, NAMES[:2], MODULES[:2])
-    rank1 = drills.has_targets(1, NAMES[2:], MODULES[2:])
-    assert rank0 == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0] and rank1 == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    params = [(name, order) for order, name in enumerate(NAMES)]
+    rank0 = drills.holds(params[:2], params[:2], MODULES[:2])
+    rank1 = drills.holds(params[2:], params[2:], MODULES[2:])
+    assert rank0 == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0] and rank1 == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
     line = unmatched(drills, [rank0, rank1], NAMES, MODULES)
     assert "\n" not in line and line.startswith("drill(s) that would do nothing: ")
-    assert ("'nan:step=3,param=decoder.layers.1.*,rank=0' (no parameter matches 'decoder.layers.1.*' on rank 0; "
-            "nearest: decoder.layers.1.mlp.linear_fc1.weight, decoder.layers.0.mlp.linear_fc1.weight)") in line
+    assert ("'nan:step=3,param=decoder.layers.1.*,rank=0' (no parameter matches 'decoder.layers.1.*' among the "
+            "gradients the optimizer steps on rank 0; held on rank(s) 1: bind it to one of them or drop rank)") in line
     assert "(no module matches 'decoder.layers.7.mlp'; nearest: decoder.layers.1.mlp, decoder.layers.0.mlp)" in line
     assert "'kill:step=3,rank=4' (rank 4 is outside the job's 2 rank(s))" in line
     assert "'nan:step=3,param=decoder.layers.1.*' (" not in line  # the job has layer 1: matched
+    assert "'nan:step=2' (" not in line and "poison" not in line
     assert unmatched(Injector([parse_spec("nan:step=3,param=*fc1*")]), [[1.0], [0.0]], NAMES, MODULES) is None
+
+
+def test_a_grad_drill_is_held_where_the_optimizer_steps_its_gradient_and_a_module_drill_where_the_module_is():
+    """Distributed optimizer over two ranks: both hold every parameter, each steps half the
+    gradients. Pipeline stages: a module lives on one rank. A drill bound to a rank without its
+    target names the ranks that hold it; phase=local acts before the shards, on every replica."""
+    from megatron_patches.inject import Injector, unmatched
+
+    drills = Injector([parse_spec(t) for t in (
+        f"nan:step=2,param={NAMES[2]},rank=0",                  # rank 1's shard steps it
+        f"nan:step=2,param={NAMES[2]},rank=1",
+        f"nan:step=2,param={NAMES[2]},rank=0,phase=local",      # every replica holds it before the shards
+        "nan:step=2,rank=1",                                    # the first parameter: rank 0's shard
+        "spike:step=2,phase=backward,module=decoder.layers.1.mlp,rank=0")])
+    params = [(name, order) for order, name in enumerate(NAMES)]
+    rank0 = drills.holds(params, params[:2], MODULES[:2])
+    rank1 = drills.holds(params, params[2:], MODULES[2:])
+    line = unmatched(drills, [rank0, rank1], NAMES, MODULES)
+    assert (f"'nan:step=2,param={NAMES[2]},rank=0' (no parameter matches '{NAMES[2]}' among the gradients the "
+            "optimizer steps on rank 0; held on rank(s) 1: bind it to one of them or drop rank)") in line
+    assert ("'nan:step=2,rank=1' (the model's first parameter is not among the gradients the optimizer steps on "
+            "rank 1; held on rank(s) 0: ") in line
+    assert ("'spike:step=2,phase=backward,module=decoder.layers.1.mlp,rank=0' (no module matches "
+            "'decoder.layers.1.mlp' on rank 0; held on rank(s) 1: ") in line
+    assert f"'nan:step=2,param={NAMES[2]},rank=1' (" not in line and "phase=local" not in line
+
+
+@pytest.mark.parametrize("ranks, said", [([3], "3"), ([0, 1, 2, 5], "0-2, 5"), ([1, 3, 4, 5, 7], "1, 3-5, 7")])
+def test_the_holding_ranks_are_written_as_runs(ranks, said):
+    from megatron_patches.inject import _rank_list
+
+    assert _rank_list(ranks) == said
 
 
 def test_a_bad_config_ends_the_import_with_exit_2_and_one_line(tmp_path, monkeypatch, capsys, clean_patches):
