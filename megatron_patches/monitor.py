@@ -22,12 +22,13 @@ import logging
 import os
 import signal
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, NoReturn, Optional, TypeVar
 
 import torch
 
 from . import detectors as detector_plugins
 from . import collectives, inject, naming, scene
+from .callbacks import Callback
 from .check import CheckStage, Verdict, resolve_overflow_mode
 from .collectives import PeerLost
 from .config import Config
@@ -40,6 +41,8 @@ from .publish import Publisher
 from .respond import Responder, exit_peer_lost
 
 log = logging.getLogger("megatron_patches")
+
+T = TypeVar("T")
 
 
 class GradMonitor:
@@ -64,8 +67,6 @@ class GradMonitor:
         """The model chunks each optimizer steps, and each DDP bucket group's parameters."""
         self.rerun = seams.rerun_watch()
         """Megatron's rerun of a checked step in place: its verdict and trace (:mod:`~megatron_patches.seams.rerun_machine`)."""
-        self.loop_session: Optional[Any] = None
-        """The training loop integration's own state for this run (Megatron-LM's session), made by it."""
         self.peers = collectives.BoundedGroup(config.response.peer_timeout_s)
         """The guard's own gloo group for the slow path (made at the first check)."""
         self._overflow_mode: Optional[str] = None  # resolved at the first check (resolve_overflow_mode)
@@ -100,15 +101,8 @@ class GradMonitor:
         """The recovery executor (:class:`megatron_patches.protocols.Executor`). Unless it acts in
         process, the monitor itself ends the job on stop and rollback decisions."""
         self.rollbacks = 0
-        self.listeners: list[Callable[[Decision, Optional[Incident]], None]] = []
-        """Called on every rank after a decision: ``fn(decision, incident)`` (incident on rank 0 only)."""
-        self.replays_forward: Optional[Callable[[Decision], bool]] = None
-        """Set by a loop integration that replays an incident's forward pass itself after the step
-        (Megatron-LM's loop with Megatron's own check off): true for a decision whose record waits
-        for that replay's :class:`~megatron_patches.incidents.Outcome` (:meth:`resolve`)."""
-        self.before_exit: list[Callable[[Decision], None]] = []
-        """Called on every rank before the monitor ends the process (finish checkpoint saves);
-        they cannot change the exit code."""
+        self.callbacks: list[Callback] = []
+        """The integrations that hear of the run's events (:meth:`add_callback`), in the order added."""
 
     @property
     def overflow_mode(self) -> str:
@@ -288,10 +282,10 @@ class GradMonitor:
         if incident is not None and ledger is not None and decision.action == Action.ROLLBACK:
             incident = dataclasses.replace(incident, ledger=ledger)
         self.last_incident = incident
-        replay = decision.replay or (self.replays_forward is not None and self.replays_forward(decision))
+        replay = decision.replay or any([callback.wants_replay(decision) for callback in self.callbacks])
         self.publisher.hand_off(incident, captured, wait_for_outcome=replay, rank=self.rank)
-        for listener in self.listeners:
-            listener(decision, incident)
+        for callback in self.callbacks:
+            callback.on_decision(decision, incident)
         if decision.ends_run and not getattr(self.executor, "in_process", False):
             self.exit(decision)
 
@@ -317,7 +311,7 @@ class GradMonitor:
         self.stage.commit(verdict, accepted=False)
         return True
 
-    def _peer_lost(self, step: int, error: Exception) -> None:
+    def _peer_lost(self, step: int, error: Exception) -> NoReturn:
         exit_peer_lost(step, error, self.config.response.peer_timeout_s, self.close,
                        self.config.response.exit_codes.peer_lost)
 
@@ -352,6 +346,14 @@ class GradMonitor:
         decisions; ``rollbacks``: how many the run has had so far (its ledger's count)."""
         self.executor, self.rollbacks = executor, rollbacks
 
+    def add_callback(self, callback: Callback) -> None:
+        """Let ``callback`` hear of this run's events (:class:`~megatron_patches.callbacks.Callback`)."""
+        self.callbacks.append(callback)
+
+    def callback_of(self, kind: type[T]) -> Optional[T]:
+        """The first callback added that is a ``kind``, or None (an integration finds its own)."""
+        return next((callback for callback in self.callbacks if isinstance(callback, kind)), None)
+
     def count(self, counter: str, n: int = 1) -> None:
         """Add ``n`` to one of :attr:`counters` (the hooks and seams report what they did here)."""
         self.counters[counter] += n
@@ -372,13 +374,13 @@ class GradMonitor:
         self.responder.policy.reset()
         self.drills.spend_started()
 
-    def exit(self, decision: Decision) -> None:
+    def exit(self, decision: Decision) -> NoReturn:
         """Stop this rank cleanly for ``decision``: flush scenes and alerts, then exit with its
         code. Every rank reaches this from the same broadcast decision, so none is left waiting
         in a collective. The executor settles the decision first (the exit-and-restart one writes
         the ledger, and turns a rollback it cannot record into a critical stop)."""
-        for flush in self.before_exit:
-            flush(decision)
+        for callback in self.callbacks:
+            callback.before_exit(decision)
         if self.executor is not None:
             decision = self.executor.settle_exit(decision)
         code = exit_code(decision, self.config.response.exit_codes)

@@ -10,7 +10,7 @@ Anything else on the monitor is its own business and may change.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, ContextManager, Iterable, NoReturn, Optional, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover - names for the annotations only
     from .config import Config
@@ -91,13 +91,8 @@ class Guard(Protocol):
     """The last incident as rank 0 assembled it (None on the other ranks)."""
     executor: Optional[Executor]
     rollbacks: int
-    listeners: list
-    """``fn(decision, incident)`` called on every rank after each decision."""
-    before_exit: list
-    """``fn(decision)`` called on every rank before the guard ends the process."""
-    replays_forward: Any
-    """None, or ``fn(decision) -> bool`` of a loop that replays an incident's forward pass after
-    the step: true holds the record for that replay's outcome (:meth:`resolve`)."""
+    callbacks: list
+    """The integrations that hear of the run's events (:class:`~megatron_patches.callbacks.Callback`)."""
 
     checked_norm: Any
     """The last check's total norm until Megatron's get_grad_norm takes it (:mod:`~megatron_patches.seams.served_norm`)."""
@@ -113,8 +108,6 @@ class Guard(Protocol):
     """Megatron's rerun of a checked step in place (:class:`~megatron_patches.seams.rerun_machine.RerunWatch`)."""
     peers: Any
     """The guard's bounded gloo group for the slow path (:class:`~megatron_patches.collectives.BoundedGroup`)."""
-    loop_session: Any
-    """The training-loop integration's own state for the run (Megatron-LM's session), or None."""
 
     @property
     def rank(self) -> int: ...
@@ -140,6 +133,12 @@ class Guard(Protocol):
     def attach(self, executor: Executor, rollbacks: int) -> None:
         """Make ``executor`` act on the guard's decisions; ``rollbacks`` so far (the ledger's)."""
 
+    def add_callback(self, callback: Any) -> None:
+        """Let ``callback`` (:class:`~megatron_patches.callbacks.Callback`) hear of the run's events."""
+
+    def callback_of(self, kind: type) -> Any:
+        """The first callback added that is a ``kind``, or None."""
+
     def count(self, counter: str, n: int = 1) -> None:
         """Add ``n`` to ``counters[counter]``."""
 
@@ -155,7 +154,7 @@ class Guard(Protocol):
     def new_episode(self, rollbacks: int) -> None:
         """After an in-process rollback."""
 
-    def exit(self, decision: "Decision") -> None:
+    def exit(self, decision: "Decision") -> NoReturn:
         """End the process for ``decision`` on every rank (SystemExit with its exit code)."""
 
     def close(self) -> None: ...

@@ -1,160 +1,47 @@
-"""The rollback protocol: replay, then roll back to the newest healthy checkpoint with a lower
+"""The rollback protocol: replay, then roll back to the newest healthy target with a lower
 learning rate and the offending samples blacklisted, within a retry budget.
 
-Two executors share the :class:`Ledger` kept next to the checkpoints:
+Two executors share the :class:`~megatron_patches.ledger.Ledger` kept next to the checkpoints:
 
 * in-process (:class:`InProcessRecovery`): for loops that hand over their state through the
-  small :class:`TrainingLoop` protocol (the tiny-GPT harness does);
-* exit-and-restart: with no executor attached the monitor writes the ledger and every rank
-  exits with ``response.exit_codes.rollback`` (84); the next start reads the ledger (``Ledger.load``) and resumes.
+  small :class:`TrainingLoop` protocol (the tiny-GPT harness does). It runs one incident as a
+  chain of small steps, each taking the incident's frozen :class:`Episode` and returning a new one;
+* exit-and-restart (:class:`ExitAndRestart`): every rank exits with
+  ``response.exit_codes.rollback`` (84) after rank 0 wrote the ledger; the next start reads it
+  (``Ledger.load``) and resumes.
 
-Pseudocode of one incident, as the in-process executor runs it::
+The in-process chain (:data:`IN_PROCESS_STEPS`), as pseudocode::
 
-    decision = monitor.take_decision()          # same on every rank
-    verdict  = replay(step) if decision.replay   # deterministic | transient
-    if verdict == deterministic: blacklist(samples that reproduced it)
-    if decision.action == rollback:
-        ckpt = newest healthy checkpoint        # none -> critical stop
-        load(ckpt); lr_scale = max(lr_scale * lr_factor, lr_floor)
-        blacklist(incident batches); disable(features); rollbacks += 1; ledger.save()
-        continue from ckpt.step + 1
-    if decision.action == stop: exit(EXIT_STOP or EXIT_CRITICAL)
-    monitor.resolve(outcome)                    # the incident's record, published once
+    episode = Episode(step, decision, samples)      # decision: the same on every rank
+    replay          # decision.replay: deterministic (samples that reproduced it) | transient
+    blacklist       # what reproduced it; on a rollback with blacklist: always, the episode's samples
+    restore_target  # rollback: load the newest healthy target; none -> a critical stop
+    cut_lr          # rollback: ledger count + 1, lr_scale = max(lr_scale * lr_factor, lr_floor)
+    safe_mode       # rollback: switch off recovery.disable_features (and the later stages')
+    record_rollback # rollback: the ledger's event, saved; grading starts afresh
+    publish         # the incident's record, with the outcome, written once (rank 0)
+    stop            # a stop decision (or one the chain escalated): every rank exits
 
-Both executors end the process through ``monitor.exit(decision)``, which takes the exit code from
+A loop that restores from somewhere else composes its own chain from the same steps. Both
+executors end the process through ``monitor.exit(decision)``, which takes the exit code from
 :func:`megatron_patches.decisions.exit_code`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Protocol
 
 from . import checkpoint, forward_origin, safe_mode
-from .errors import UserError
-from .incidents import Incident, Outcome
-from .protocols import Guard
+from .callbacks import Callback
 from .decisions import Action, Decision, exit_code
+from .incidents import Incident, Outcome
+from .ledger import Ledger
+from .protocols import Guard
 
 log = logging.getLogger("megatron_patches")
-
-LEDGER_FILE = "megatron_patches_ledger.json"
-LEDGER_SCHEMA = "megatron_patches.ledger/1"
-
-
-@dataclass
-class Ledger:
-    """What survives restarts: blacklisted samples, rollbacks done, learning-rate scale."""
-
-    blacklist: list = field(default_factory=list)
-    rollbacks: int = 0
-    lr_scale: float = 1.0
-    disabled_features: list = field(default_factory=list)
-    spent_injections: list = field(default_factory=list)
-    """Drill specs that already fired: a restarted job does not inject them again."""
-    rollback_requested: Optional[dict] = None
-    """Set by the exit-and-restart path: {"from_step", "reason"}; cleared once resumed."""
-    events: list = field(default_factory=list)
-
-    @staticmethod
-    def path(checkpoint_root: str) -> str:
-        return os.path.join(checkpoint_root, LEDGER_FILE)
-
-    @classmethod
-    def load(cls, checkpoint_root: str) -> "Ledger":
-        """The ledger under ``checkpoint_root`` (a fresh one when there is none). A ledger that is
-        not JSON, or whose fields have the wrong type or range, raises UserError with one line
-        naming the file, the field and the fix: it is never applied."""
-        path = cls.path(checkpoint_root)
-        if not os.path.exists(path):
-            return cls()
-        fix = "repair it, or move it away to start a fresh ledger (its blacklist and rollback count are lost)"
-        try:
-            with open(path, encoding="utf-8") as handle:
-                data = json.load(handle)
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            why = getattr(exc, "strerror", None) or (str(exc).splitlines() or ["empty"])[0]
-            raise UserError(f"ledger {path} cannot be read as JSON ({why}); {fix}") from None
-        if not isinstance(data, dict) or data.get("schema") != LEDGER_SCHEMA:
-            found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-            raise UserError(f"ledger {path} is not a megatron_patches ledger (schema {found!r}, "
-                            f"expected {LEDGER_SCHEMA!r}); {fix}")
-        data = dict(data)
-        data.pop("schema")
-        problem = _ledger_problem(data)
-        if problem:
-            raise UserError(f"ledger {path}: {problem}; {fix}")
-        return cls(**data)
-
-    def record_rollback(self, recovery: Any, samples: list) -> list:
-        """One more rollback under ``recovery`` (the config section): blacklist ``samples``, lower
-        the learning-rate scale (never under the floor), switch off the configured features
-        (``disable_features``, and the lists of ``disable_on_further_rollbacks`` this rollback has
-        reached). Returns the features switched off now for the first time."""
-        self.blacklist = sorted(set(self.blacklist) | set(samples))
-        self.rollbacks += 1
-        self.lr_scale = max(self.lr_scale * recovery.lr_factor, recovery.lr_floor)
-        stages = recovery.disable_on_further_rollbacks[:self.rollbacks - 1]
-        wanted = list(recovery.disable_features) + [name for stage in stages for name in stage]
-        new = [name for name in dict.fromkeys(wanted) if name not in self.disabled_features]
-        self.disabled_features += new
-        return new
-
-    def save(self, checkpoint_root: str) -> None:
-        """Durable and atomic (:func:`checkpoint.write_json_atomic`): a crash or power loss
-        leaves the previous ledger or the new one, never half of one."""
-        os.makedirs(checkpoint_root, exist_ok=True)
-        checkpoint.write_json_atomic(self.path(checkpoint_root), {"schema": LEDGER_SCHEMA, **asdict(self)}, indent=1)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _ledger_problem(data: dict) -> Optional[str]:
-    """What is wrong with a ledger's fields (schema already removed), or None."""
-    known = {f.name for f in fields(Ledger)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        return f"unknown field `{unknown[0]}` (valid: {', '.join(sorted(known))})"
-    checks = {
-        "blacklist": (lambda v: isinstance(v, list) and all(_is_int(i) and i >= 0 for i in v),
-                      "a list of non-negative integers (sample indices)"),
-        "rollbacks": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
-        "lr_scale": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                     and 0 < v <= 1, "a finite number in (0, 1]"),
-        "disabled_features": (lambda v: isinstance(v, list) and all(isinstance(i, str) for i in v),
-                              "a list of strings"),
-        "spent_injections": (lambda v: isinstance(v, list) and all(isinstance(i, str) for i in v),
-                             "a list of strings"),
-        "rollback_requested": (lambda v: v is None or isinstance(v, dict), "an object or null"),
-        "events": (lambda v: isinstance(v, list) and all(isinstance(i, dict) for i in v), "a list of objects"),
-    }
-    for name, value in data.items():
-        ok, expected = checks[name]
-        if not ok(value):
-            return f"`{name}` must be {expected}, got {json.dumps(value)[:80]}"
-    for name in ("events", "rollback_requested"):
-        where = _non_finite(data.get(name), name)
-        if where:
-            return f"`{where[0]}` must be a finite number, got {where[1]}"
-    return None
-
-
-def _non_finite(value: Any, where: str) -> Optional[tuple[str, float]]:
-    """(path, value) of the first NaN or infinite number inside ``value``, or None."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return where, value
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        found = _non_finite(item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}")
-        if found:
-            return found
-    return None
 
 
 class TrainingLoop(Protocol):
@@ -180,19 +67,154 @@ class TrainingLoop(Protocol):
         """Switch off a feature named in ``recovery.disable_features``."""
 
 
+@dataclass(frozen=True)
+class Episode:
+    """One incident on its way through the recovery steps (the same on every rank)."""
+
+    step: int
+    decision: Decision
+    """The guard's decision; a step may escalate it (no target to roll back to: a critical stop)."""
+    samples: tuple = ()
+    """The samples this rank fed in the incident's step."""
+    outcome: Outcome = Outcome()
+    """What the steps made of the incident so far, published with its record."""
+    reproduced: tuple = ()
+    """Samples the replay reproduced the fault with."""
+    switched_off: tuple = ()
+    """Features this rollback switches off for the first time."""
+    resume_at: Optional[int] = None
+    """After a rollback: the step the loop goes on from."""
+
+    @property
+    def rolls_back(self) -> bool:
+        return self.decision.action == Action.ROLLBACK
+
+
+RecoveryStep = Callable[["InProcessRecovery", Episode], Episode]
+"""One step of the chain: what it may touch is the executor (its loop, ledger and monitor)."""
+
+
+def replay(run: "InProcessRecovery", episode: Episode) -> Episode:
+    """Replay the step with every module's output and gradient watched: deterministic (the
+    samples that reproduced it) or transient (the ranks suspected), and where the forward pass,
+    else the backward pass, first went non-finite."""
+    if not episode.decision.replay:
+        return episode
+    monitor = run.monitor
+    monitor.set_step(episode.step)  # the replayed forward is this step again (forward drills)
+    with forward_origin.ForwardTrace(monitor.model_chunks.modules()) as trace:
+        again = run.loop.replay_step(episode.step)
+    origin, backward = forward_origin.gather_origin(trace, monitor.peers)
+    incident = monitor.last_incident
+    if again["flagged"]:
+        first = incident.first_name if incident is not None else None
+        verdict = {"verdict": "deterministic", "same_parameter": again["first"] == first, "first": again["first"]}
+        reproduced = tuple(again["bad_samples"] or episode.samples)
+    else:
+        ranks = sorted(set(incident.ranks_affected)) if incident is not None else []
+        verdict = {"verdict": "transient", "suspected_ranks": list(episode.decision.origins) or ranks}
+        reproduced = ()
+    outcome = replace(episode.outcome, replay=verdict, forward_origin=origin, backward_origin=backward)
+    return replace(episode, outcome=outcome, reproduced=reproduced)
+
+
+def blacklist(run: "InProcessRecovery", episode: Episode) -> Episode:
+    """The samples never to feed again: those the replay reproduced the fault with, and on a
+    rollback under ``blacklist: always`` every sample of the episode. Outside a rollback they go
+    into the ledger now (a rollback records them with its own count)."""
+    samples = set(episode.reproduced)
+    if episode.rolls_back and run.config.blacklist == "always":
+        samples |= set(run.episode_samples)
+    episode = replace(episode, outcome=replace(episode.outcome, blacklisted=tuple(sorted(samples))))
+    if samples and not episode.rolls_back:
+        run.ledger.blacklist = sorted(set(run.ledger.blacklist) | samples)
+        run.loop.set_blacklist(run.ledger.blacklist)
+        run.save_ledger()
+    return episode
+
+
+def restore_target(run: "InProcessRecovery", episode: Episode) -> Episode:
+    """Load the newest healthy checkpoint; with none the rollback becomes a critical stop."""
+    if not episode.rolls_back:
+        return episode
+    target = checkpoint.newest_healthy(run.loop.checkpoint_root)
+    if target is None:
+        stop = episode.decision.escalated("no healthy checkpoint to roll back to")
+        return replace(episode, decision=stop, outcome=replace(episode.outcome, decision=stop))
+    healthy_step, path = target
+    resumed = run.loop.load_checkpoint(path)
+    outcome = replace(episode.outcome, rolled_back_to=healthy_step, checkpoint=path)
+    return replace(episode, outcome=outcome, resume_at=resumed + 1)
+
+
+def cut_lr(run: "InProcessRecovery", episode: Episode) -> Episode:
+    """One more rollback in the ledger: its count, the blacklist, the learning-rate scale
+    (``lr_factor``, never under ``lr_floor``), and the features it switches off."""
+    if not episode.rolls_back:
+        return episode
+    new = run.ledger.record_rollback(run.config, list(episode.outcome.blacklisted))
+    run.loop.set_blacklist(run.ledger.blacklist)
+    run.loop.set_lr_scale(run.ledger.lr_scale)
+    return replace(episode, outcome=replace(episode.outcome, lr_scale=run.ledger.lr_scale), switched_off=tuple(new))
+
+
+def safe_mode_step(run: "InProcessRecovery", episode: Episode) -> Episode:
+    """Switch off, in the loop, the features this rollback turned off (:mod:`~megatron_patches.safe_mode`)."""
+    for name in safe_mode.expand(list(episode.switched_off)):
+        run.loop.disable_feature(name)
+    return episode
+
+
+def record_rollback(run: "InProcessRecovery", episode: Episode) -> Episode:
+    """The rollback's event in the ledger, saved; the guard's grading starts a new episode."""
+    if not episode.rolls_back:
+        return episode
+    ledger, outcome = run.ledger, episode.outcome
+    ledger.events.append({"step": episode.step, "rolled_back_to": outcome.rolled_back_to,
+                          "lr_scale": ledger.lr_scale, "blacklisted": len(outcome.blacklisted),
+                          "reason": episode.decision.reason})
+    run.save_ledger()
+    run.monitor.new_episode(ledger.rollbacks)
+    run.episode_samples = []
+    log.warning("rolled back from step %d to healthy checkpoint %s (step %d); lr scale %.3g; "
+                "%d samples blacklisted; rollback %d of %d", episode.step, outcome.checkpoint,
+                outcome.rolled_back_to, ledger.lr_scale, len(outcome.blacklisted), ledger.rollbacks,
+                run.config.max_rollbacks)
+    return episode
+
+
+def publish(run: "InProcessRecovery", episode: Episode) -> Episode:
+    """Hand the outcome to the guard: rank 0 writes the incident's record with it, once."""
+    run.monitor.resolve(episode.outcome)
+    return episode
+
+
+def stop(run: "InProcessRecovery", episode: Episode) -> Episode:
+    """A stop decision, or one a step escalated: every rank ends here (``monitor.exit``)."""
+    if episode.decision.action == Action.STOP:
+        run.monitor.exit(episode.decision)
+    return episode
+
+
+IN_PROCESS_STEPS: tuple[RecoveryStep, ...] = (
+    replay, blacklist, restore_target, cut_lr, safe_mode_step, record_rollback, publish, stop)
+"""The in-process chain, in order (the module's pseudocode)."""
+
+
 class InProcessRecovery:
-    """Acts on the monitor's decisions inside the training loop, one incident at a time, as the
-    small steps below: replay, blacklist, roll back (load healthy, scale the LR, disable features,
-    save the ledger), stop. Each step reads and returns the incident's :class:`Outcome`."""
+    """Acts on the monitor's decisions inside the training loop, one incident at a time, through
+    ``steps`` (default :data:`IN_PROCESS_STEPS`)."""
 
     in_process = True
 
-    def __init__(self, monitor: Guard, loop: TrainingLoop):
+    def __init__(self, monitor: Guard, loop: TrainingLoop, steps: tuple[RecoveryStep, ...] = IN_PROCESS_STEPS):
         self.monitor = monitor
         self.loop = loop
+        self.steps = steps
         self.config = monitor.config.recovery
         self.ledger = Ledger.load(loop.checkpoint_root)
-        self._episode_samples: list = []
+        self.episode_samples: list = []
+        """Every sample fed since the last rollback's incident (``blacklist: always``)."""
         monitor.attach(self, self.ledger.rollbacks)
         loop.set_blacklist(self.ledger.blacklist)
         loop.set_lr_scale(self.ledger.lr_scale)
@@ -203,79 +225,13 @@ class InProcessRecovery:
         decision = self.monitor.take_decision()
         if decision is None:
             return None
-        self._episode_samples += batch_samples
-        outcome, reproduced = Outcome(), []
-        if decision.replay:
-            outcome, reproduced = self._replay(step, decision, batch_samples)
-        if decision.action == Action.ROLLBACK:
-            blacklisted = set(reproduced)
-            if self.config.blacklist == "always":
-                blacklisted |= set(self._episode_samples)
-            return self._rollback(step, decision, replace(outcome, blacklisted=tuple(sorted(blacklisted))))
-        outcome = replace(outcome, blacklisted=tuple(sorted(set(reproduced))))
-        if outcome.blacklisted:
-            self._add_blacklist(list(outcome.blacklisted))
-            self._save_ledger()
-        self.monitor.resolve(outcome)
-        if decision.action == Action.STOP:
-            self.monitor.exit(decision)
-        return None
+        self.episode_samples += batch_samples
+        episode = Episode(step, decision, tuple(batch_samples))
+        for run_step in self.steps:
+            episode = run_step(self, episode)
+        return episode.resume_at
 
-    def _replay(self, step: int, decision: Decision, batch_samples: list) -> tuple[Outcome, list]:
-        """Replay ``step``: deterministic (the samples that reproduced it) or transient."""
-        replay, (origin, backward) = self._traced_replay(step)
-        incident = self.monitor.last_incident
-        if replay["flagged"]:
-            first = incident.first_name if incident is not None else None
-            verdict = {"verdict": "deterministic", "same_parameter": replay["first"] == first,
-                       "first": replay["first"]}
-            reproduced = replay["bad_samples"] or batch_samples
-        else:
-            ranks = sorted(set(incident.ranks_affected)) if incident is not None else []
-            verdict = {"verdict": "transient", "suspected_ranks": list(decision.origins) or ranks}
-            reproduced = []
-        return Outcome(replay=verdict, forward_origin=origin, backward_origin=backward), reproduced
-
-    def _traced_replay(self, step: int) -> tuple[dict, tuple[Optional[dict], Optional[dict]]]:
-        """Replay ``step`` with every module's output and its gradient watched: the replay's
-        verdict, and where the forward pass, else the backward pass, first went non-finite (rank 0;
-        None elsewhere or when it stayed finite)."""
-        chunks = self.monitor.model_chunks.modules()
-        self.monitor.set_step(step)  # the replayed forward is step ``step`` again (forward drills)
-        with forward_origin.ForwardTrace(chunks) as trace:
-            replay = self.loop.replay_step(step)
-        return replay, forward_origin.gather_origin(trace, self.monitor.peers)
-
-    def _rollback(self, step: int, decision: Decision, outcome: Outcome) -> int:
-        target = checkpoint.newest_healthy(self.loop.checkpoint_root)
-        if target is None:
-            stop = decision.escalated("no healthy checkpoint to roll back to")
-            self.monitor.resolve(replace(outcome, decision=stop))
-            self.monitor.exit(stop)
-        healthy_step, path = target
-        resumed = self.loop.load_checkpoint(path)
-        for name in safe_mode.expand(self.ledger.record_rollback(self.config, list(outcome.blacklisted))):
-            self.loop.disable_feature(name)
-        self.loop.set_blacklist(self.ledger.blacklist)
-        self.loop.set_lr_scale(self.ledger.lr_scale)
-        self.ledger.events.append({"step": step, "rolled_back_to": healthy_step, "lr_scale": self.ledger.lr_scale,
-                                   "blacklisted": len(outcome.blacklisted), "reason": decision.reason})
-        self._save_ledger()
-        self.monitor.new_episode(self.ledger.rollbacks)
-        self._episode_samples = []
-        self.monitor.resolve(replace(outcome, rolled_back_to=healthy_step, checkpoint=path,
-                                     lr_scale=self.ledger.lr_scale))
-        log.warning("rolled back from step %d to healthy checkpoint %s (step %d); lr scale %.3g; "
-                    "%d samples blacklisted; rollback %d of %d", step, path, healthy_step, self.ledger.lr_scale,
-                    len(outcome.blacklisted), self.ledger.rollbacks, self.config.max_rollbacks)
-        return resumed + 1
-
-    def _add_blacklist(self, samples: list) -> None:
-        merged = sorted(set(self.ledger.blacklist) | set(samples))
-        self.ledger.blacklist = merged
-        self.loop.set_blacklist(merged)
-
-    def _save_ledger(self) -> None:
+    def save_ledger(self) -> None:
         """Rank 0 only, so a failure must not raise (the others go on to the next collective).
         This process holds the ledger in memory and goes on with it; a later restart would not
         know this rollback (its blacklist, LR scale and count)."""
@@ -291,7 +247,7 @@ class InProcessRecovery:
         return decision
 
 
-class ExitAndRestart:
+class ExitAndRestart(Callback):
     """For loops that cannot be re-entered (Megatron-LM's ``pretrain_gpt.py``): on a rollback
     decision rank 0 writes the ledger and every rank exits with ``response.exit_codes.rollback``; the launcher
     restarts the job, which loads the newest healthy checkpoint and applies the ledger. The one
@@ -310,10 +266,11 @@ class ExitAndRestart:
         self._request_fields = request_fields
         self._episode_samples: list = []
         monitor.drills.spend(self.ledger.spent_injections)
-        monitor.listeners.append(self._on_decision)
+        monitor.add_callback(self)
         monitor.attach(self, self.ledger.rollbacks)
 
-    def _on_decision(self, decision: Decision, incident: Optional[Incident]) -> None:
+    def on_decision(self, decision: Decision, incident: Optional[Incident]) -> None:
+        """Rank 0 collects the episode's samples from the incident (every rank's)."""
         if incident is not None and incident.batch is not None:  # rank 0, with every rank's samples
             self._episode_samples += incident.batch.get("samples", [])
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 from . import naming
 from .check import Verdict
@@ -103,7 +103,7 @@ def _fallback_incident(verdict: Verdict, decision: Decision) -> Optional[Inciden
 
 
 def exit_peer_lost(step: int, error: Exception, timeout_s: float, close: Callable[[], None],
-                   code: int = EXIT_PEER_LOST) -> None:
+                   code: int = EXIT_PEER_LOST) -> NoReturn:
     """A peer died or went silent during an incident's decision: nothing can be agreed on any
     more. Flush what this rank holds (``close``), then end the process at once: a barrier,
     Megatron's teardown or an exit callback would wait for the lost peer (under nccl up to the

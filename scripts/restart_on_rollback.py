@@ -34,7 +34,7 @@ import time
 from typing import Optional
 
 EXIT_ROLLBACK = 84  # megatron_patches.decisions.EXIT_ROLLBACK
-LEDGER_FILE = "megatron_patches_ledger.json"  # megatron_patches.recovery.LEDGER_FILE
+LEDGER_FILE = "megatron_patches_ledger.json"  # megatron_patches.ledger.LEDGER_FILE
 
 
 def say(message: str) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_patches.recovery import Ledger
+from megatron_patches.ledger import Ledger
 from megatron_patches.testing.pretrain_cpu import TINY_GPT_ARGS
 from test_megatron_lm import FC1, REPO, _packaged_loop_available, guard_env, incidents, iterations
 

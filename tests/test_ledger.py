@@ -12,7 +12,7 @@ import pytest
 from conftest import run_tiny
 from megatron_patches import checkpoint
 from megatron_patches.errors import UserError
-from megatron_patches.recovery import LEDGER_FILE, LEDGER_SCHEMA, Ledger
+from megatron_patches.ledger import LEDGER_FILE, LEDGER_SCHEMA, Ledger
 
 pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)
 

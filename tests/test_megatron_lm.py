@@ -27,7 +27,7 @@ from conftest import REPO, run_packaged_loop
 from megatron_patches.testing.pretrain_cpu import TINY_GPT_ARGS
 
 from megatron_patches import checkpoint
-from megatron_patches.recovery import LEDGER_FILE, Ledger
+from megatron_patches.ledger import LEDGER_FILE, Ledger
 from megatron_patches.report import diagnosis
 from megatron_patches.seams import megatron_lm, rerun_machine
 

@@ -29,7 +29,7 @@ import pytest
 
 from megatron_patches import checkpoint, variants
 from megatron_patches.seams import mindspeed, mindspeed_llm
-from megatron_patches.recovery import Ledger
+from megatron_patches.ledger import Ledger
 
 REPO = Path(__file__).resolve().parent.parent
 STANDIN_LOOP = REPO / "tests" / "standin_mindspeed_llm_loop.py"

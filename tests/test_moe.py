@@ -23,7 +23,7 @@ from megatron_patches import findings, forward_origin, naming, moe_routing
 from megatron_patches.incident_text import diagnosis, expert_text
 from megatron_patches.incidents import ParamFinding
 
-from megatron_patches.recovery import Ledger
+from megatron_patches.ledger import Ledger
 from conftest import run_packaged_loop
 from test_megatron_lm import (REPO, TINY, Loop, _packaged_loop_available, guard_env, incidents, iterations,
                               report_text, rollback_run)

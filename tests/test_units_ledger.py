@@ -1,5 +1,5 @@
 """The rollback ledger without training: what it keeps across restarts, how a rollback is
-counted, and which fields it refuses (recovery.Ledger). tests/test_ledger.py loads hostile
+counted, and which fields it refuses (ledger.Ledger). tests/test_ledger.py loads hostile
 files end to end; these pin the arithmetic and the messages."""
 
 import json
@@ -10,7 +10,7 @@ import pytest
 
 from megatron_patches.config import Config
 from megatron_patches.errors import UserError
-from megatron_patches.recovery import LEDGER_FILE, LEDGER_SCHEMA, Ledger, _ledger_problem
+from megatron_patches.ledger import LEDGER_FILE, LEDGER_SCHEMA, Ledger, _ledger_problem
 from megatron_patches.decisions import GradePolicy
 
 pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)

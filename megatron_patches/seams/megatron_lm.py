@@ -48,6 +48,7 @@ import math
 from typing import Any, Optional
 
 from .. import collectives
+from ..callbacks import Callback
 from ..errors import UserError, exit_refused
 from ..protocols import Guard
 from . import mindspeed_llm, wrappers
@@ -69,8 +70,8 @@ log = logging.getLogger("megatron_patches")
 TAG_PREFIX = "megatron_patches/"
 
 
-class MegatronLMSession:
-    """What one Megatron-LM process needs between the wrapper calls."""
+class MegatronLMSession(Callback):
+    """What one Megatron-LM process needs between the wrapper calls; a callback of its monitor."""
 
     def __init__(self, monitor: Guard):
         self.monitor = monitor
@@ -114,7 +115,6 @@ class MegatronLMSession:
             if collectives.rank() == 0:
                 log.error("%s", error)
             exit_refused(collectives.rank())
-        self.monitor.before_exit.append(self._finalize_saves)  # before the ledger and the exit
         self.rollback.before_load(args, optimizer)
 
     # -- around each iteration ------------------------------------------------------------------
@@ -132,7 +132,6 @@ class MegatronLMSession:
             self.marks.after_load(args.load, int(args.iteration))
             if replays_here(args):
                 self.replay = ForwardReplay(self.monitor)
-                self.monitor.replays_forward = self.replay.wants
             if self.rollback is not None:
                 self.rollback.after_load(args, optimizer, scheduler)
         if skipped:
@@ -187,9 +186,18 @@ class MegatronLMSession:
         lr_scale = self.rollback.lr_scale if self.rollback is not None else 1.0
         self.marks.after_save(iteration, model, non_persistent, lr_scale)
 
-    def _finalize_saves(self, decision: Any = None) -> None:
-        """Before any exit of the guard: pending async saves finished and marked."""
-        self.marks.finalize(decision)
+    # -- the monitor's events (callbacks.Callback) ----------------------------------------------
+
+    def wants_replay(self, decision: Any) -> bool:
+        """With Megatron's own check off, a skipped step's forward pass is replayed after the step
+        (:mod:`.megatron_lm_replay`): its record waits for that outcome."""
+        return self.replay is not None and self.replay.wants(decision)
+
+    def before_exit(self, decision: Any) -> None:
+        """Before any exit of the guard (and before the ledger is written): pending async saves
+        finished and marked. Nothing to finish without --save/--load."""
+        if self.rollback is not None:
+            self.marks.finalize(decision)
 
 
 def _advise(args: Any) -> None:
@@ -231,11 +239,13 @@ def _sample_positions(args: Any) -> list:
     return [start + m * mbs * dp + dp_rank * mbs + j for m in range(get_num_microbatches()) for j in range(mbs)]
 
 
-def session(monitor: Any) -> MegatronLMSession:
-    """The run's session, kept by its monitor (``monitor.loop_session``; a new monitor gets a new one)."""
-    if not isinstance(monitor.loop_session, MegatronLMSession):
-        monitor.loop_session = MegatronLMSession(monitor)
-    return monitor.loop_session
+def session(monitor: Guard) -> MegatronLMSession:
+    """The run's session: a callback of its monitor, made at the first call (a new monitor gets a new one)."""
+    found = monitor.callback_of(MegatronLMSession)
+    if found is None:
+        found = MegatronLMSession(monitor)
+        monitor.add_callback(found)
+    return found
 
 
 # --- wrapt wrappers (registry targets under megatron.training) -----------------------------------

@@ -47,7 +47,7 @@ class ForwardReplay:
         """The step whose incident record waits for a replay (every rank alike: the decision is)."""
 
     def wants(self, decision: Decision) -> bool:
-        """For the monitor (``replays_forward``): a skipped step is replayed after it returns."""
+        """For the session's ``wants_replay``: a skipped step is replayed after it returns."""
         if decision.action != Action.SKIP_STEP:
             return False
         self.pending = int(decision.step)

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from .. import collectives, safe_mode
+from ..callbacks import Callback
 from ..errors import UserError
 from ..protocols import Guard
 from ..decisions import Action, Decision, Severity
@@ -48,7 +49,7 @@ def switch_off_for_retry(args: Any) -> list:
     """Safe mode on retry: before Megatron builds the model, switch off in ``args`` what the
     ledger next to ``--save`` (else ``--load``) lists in ``disabled_features``
     (:mod:`megatron_patches.safe_mode`). Returns those names ([] when none, or no ledger)."""
-    from ..recovery import Ledger
+    from ..ledger import Ledger
 
     root = args.save or args.load
     if root is None:
@@ -107,7 +108,7 @@ def rerun_repeats_here(machine: Any) -> bool:
     return machine.suspicious_node == os.uname()[1] and machine.suspicious_device == device
 
 
-class Rollback:
+class Rollback(Callback):
     """The ledger's side of one Megatron-LM process. Attaches
     :class:`~megatron_patches.recovery.ExitAndRestart` (the ledger's one writer) to the monitor."""
 
@@ -121,7 +122,7 @@ class Rollback:
         self._resume_from: Optional[int] = None
         self._non_persistent_type: Optional[str] = None
         self.restart = ExitAndRestart(monitor, root, request_fields=self._request_fields)
-        monitor.listeners.append(self._on_decision)
+        monitor.add_callback(self)
 
     @property
     def lr_scale(self) -> float:
@@ -261,7 +262,8 @@ class Rollback:
 
     # -- at a rollback exit --------------------------------------------------------------------
 
-    def _on_decision(self, decision: Any, incident: Any) -> None:
+    def on_decision(self, decision: Any, incident: Any) -> None:
+        """Every rank notes the incident's iteration (a restart skips them under ``blacklist: always``)."""
         self._episode_steps.append(int(decision.step))
 
     def _request_fields(self) -> dict:
@@ -274,7 +276,7 @@ class Rollback:
                     self.monitor.step, steps, ledger.lr_scale)
         return {"iteration": self.monitor.step, "skip_iterations": steps}
 
-    def _stop(self, reason: str) -> None:
+    def _stop(self, reason: str) -> NoReturn:
         """A critical stop before training starts (every rank reads the same ledger)."""
         self.monitor.exit(Decision(Severity.CRITICAL, Action.STOP, reason, self.monitor.step))
 

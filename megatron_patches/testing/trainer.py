@@ -68,7 +68,8 @@ class TinyTrainer:
 
             self.recovery = InProcessRecovery(self.monitor, self)
         elif self.monitor is not None:
-            from ..recovery import ExitAndRestart, Ledger
+            from ..ledger import Ledger
+            from ..recovery import ExitAndRestart
 
             ExitAndRestart(self.monitor, self.checkpoint_root)
             ledger = Ledger.load(self.checkpoint_root)

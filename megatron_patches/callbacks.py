@@ -1,0 +1,33 @@
+"""The one interface through which integrations hear from the guard.
+
+A loop integration (Megatron-LM's session, its rollback), a recovery executor or a user's own
+code subclasses :class:`Callback`, overrides the events it needs and adds itself with
+``monitor.add_callback(callback)``. The guard calls every callback in the order added, on every
+rank, at the same points of the same step. Nothing else on the monitor is written from outside:
+what a callback wants from the run it answers from these methods.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:  # pragma: no cover - names for the annotations only
+    from .decisions import Decision
+    from .incidents import Incident
+
+
+class Callback:
+    """Events of one run; each default does nothing."""
+
+    def on_decision(self, decision: "Decision", incident: Optional["Incident"]) -> None:
+        """After each incident's decision, on every rank (``incident`` on rank 0 only), before
+        the guard acts on it."""
+
+    def wants_replay(self, decision: "Decision") -> bool:
+        """True to hold the incident's record until this integration hands the guard the outcome
+        of a replay it runs after the step (``monitor.resolve``)."""
+        return False
+
+    def before_exit(self, decision: "Decision") -> None:
+        """Before the guard ends the process for ``decision``, on every rank: finish what must
+        outlive it (pending checkpoint saves). The exit code is not this callback's to change."""

@@ -1,0 +1,132 @@
+"""The ledger kept next to the checkpoints: what survives a restart of the job.
+
+Blacklisted samples, the rollbacks done (against ``recovery.max_rollbacks``), the learning-rate
+scale, the features switched off, the drills already rehearsed, a pending rollback request and
+the events of the job's recoveries. One JSON file, written atomically by rank 0; a ledger that
+cannot be applied (not JSON, wrong schema, a field of the wrong type) is refused with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Optional
+
+from .errors import UserError
+from .files import write_json_atomic
+
+LEDGER_FILE = "megatron_patches_ledger.json"
+LEDGER_SCHEMA = "megatron_patches.ledger/1"
+
+
+@dataclass
+class Ledger:
+    """What survives restarts: blacklisted samples, rollbacks done, learning-rate scale."""
+
+    blacklist: list = field(default_factory=list)
+    rollbacks: int = 0
+    lr_scale: float = 1.0
+    disabled_features: list = field(default_factory=list)
+    spent_injections: list = field(default_factory=list)
+    """Drill specs that already fired: a restarted job does not inject them again."""
+    rollback_requested: Optional[dict] = None
+    """Set by the exit-and-restart path: {"from_step", "reason"}; cleared once resumed."""
+    events: list = field(default_factory=list)
+
+    @staticmethod
+    def path(checkpoint_root: str) -> str:
+        return os.path.join(checkpoint_root, LEDGER_FILE)
+
+    @classmethod
+    def load(cls, checkpoint_root: str) -> "Ledger":
+        """The ledger under ``checkpoint_root`` (a fresh one when there is none). A ledger that is
+        not JSON, or whose fields have the wrong type or range, raises UserError with one line
+        naming the file, the field and the fix: it is never applied."""
+        path = cls.path(checkpoint_root)
+        if not os.path.exists(path):
+            return cls()
+        fix = "repair it, or move it away to start a fresh ledger (its blacklist and rollback count are lost)"
+        try:
+            with open(path, encoding="utf-8") as handle:
+                data = json.load(handle)
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            why = getattr(exc, "strerror", None) or (str(exc).splitlines() or ["empty"])[0]
+            raise UserError(f"ledger {path} cannot be read as JSON ({why}); {fix}") from None
+        if not isinstance(data, dict) or data.get("schema") != LEDGER_SCHEMA:
+            found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+            raise UserError(f"ledger {path} is not a megatron_patches ledger (schema {found!r}, "
+                            f"expected {LEDGER_SCHEMA!r}); {fix}")
+        data = dict(data)
+        data.pop("schema")
+        problem = _ledger_problem(data)
+        if problem:
+            raise UserError(f"ledger {path}: {problem}; {fix}")
+        return cls(**data)
+
+    def record_rollback(self, recovery: Any, samples: list) -> list:
+        """One more rollback under ``recovery`` (the config section): blacklist ``samples``, lower
+        the learning-rate scale (never under the floor), switch off the configured features
+        (``disable_features``, and the lists of ``disable_on_further_rollbacks`` this rollback has
+        reached). Returns the features switched off now for the first time."""
+        self.blacklist = sorted(set(self.blacklist) | set(samples))
+        self.rollbacks += 1
+        self.lr_scale = max(self.lr_scale * recovery.lr_factor, recovery.lr_floor)
+        stages = recovery.disable_on_further_rollbacks[:self.rollbacks - 1]
+        wanted = list(recovery.disable_features) + [name for stage in stages for name in stage]
+        new = [name for name in dict.fromkeys(wanted) if name not in self.disabled_features]
+        self.disabled_features += new
+        return new
+
+    def save(self, checkpoint_root: str) -> None:
+        """Durable and atomic (:func:`~megatron_patches.files.write_json_atomic`): a crash or power loss
+        leaves the previous ledger or the new one, never half of one."""
+        os.makedirs(checkpoint_root, exist_ok=True)
+        write_json_atomic(self.path(checkpoint_root), {"schema": LEDGER_SCHEMA, **asdict(self)}, indent=1)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _ledger_problem(data: dict) -> Optional[str]:
+    """What is wrong with a ledger's fields (schema already removed), or None."""
+    known = {f.name for f in fields(Ledger)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        return f"unknown field `{unknown[0]}` (valid: {', '.join(sorted(known))})"
+    checks = {
+        "blacklist": (lambda v: isinstance(v, list) and all(_is_int(i) and i >= 0 for i in v),
+                      "a list of non-negative integers (sample indices)"),
+        "rollbacks": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+        "lr_scale": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                     and 0 < v <= 1, "a finite number in (0, 1]"),
+        "disabled_features": (lambda v: isinstance(v, list) and all(isinstance(i, str) for i in v),
+                              "a list of strings"),
+        "spent_injections": (lambda v: isinstance(v, list) and all(isinstance(i, str) for i in v),
+                             "a list of strings"),
+        "rollback_requested": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+        "events": (lambda v: isinstance(v, list) and all(isinstance(i, dict) for i in v), "a list of objects"),
+    }
+    for name, value in data.items():
+        ok, expected = checks[name]
+        if not ok(value):
+            return f"`{name}` must be {expected}, got {json.dumps(value)[:80]}"
+    for name in ("events", "rollback_requested"):
+        where = _non_finite(data.get(name), name)
+        if where:
+            return f"`{where[0]}` must be a finite number, got {where[1]}"
+    return None
+
+
+def _non_finite(value: Any, where: str) -> Optional[tuple[str, float]]:
+    """(path, value) of the first NaN or infinite number inside ``value``, or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _non_finite(item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}")
+        if found:
+            return found
+    return None
