@@ -3,6 +3,7 @@ for several) and read what it wrote."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -66,16 +67,20 @@ def run_forked(target, timeout: int = 300, nproc: int = 1) -> tuple[int, str]:
     go to that file, torch runs one intra-op thread as the subprocess runs do, and the child ends
     with ``os._exit`` and target's return code (or a stop's). Whatever a run leaves (patches,
     parallel groups, gloo threads, environment variables) dies with the children: the test process
-    stays as it was.
+    stays as it was. ``os._exit`` skips multiprocessing's exit handler, so each child first ends the
+    processes it started itself (:func:`end_descendants`; megatron-core's checkpoint writer starts a
+    ``multiprocessing`` Manager and its resource tracker, which would otherwise outlive the rank).
 
     As torchrun does, the first rank to exit non-zero ends the others (SIGTERM, SIGKILL 5 s later);
-    unlike torchrun, the code returned is that rank's own (0 when every rank ended with 0), and a
-    line ``[run_forked] rank R exited N`` per failed rank closes the output. After ``timeout``
-    seconds every child left is killed (exit -9)."""
+    here the processes those ranks had started are killed with them. Unlike torchrun, the code
+    returned is that rank's own (0 when every rank ended with 0), and a line ``[run_forked] rank R
+    exited N`` per failed rank closes the output. After ``timeout`` seconds every child left is
+    killed (exit -9)."""
     import signal
     import tempfile
     import time
 
+    import psutil
     import torch
 
     _import_what_the_harness_imports()
@@ -114,12 +119,20 @@ def run_forked(target, timeout: int = 300, nproc: int = 1) -> tuple[int, str]:
 
                 traceback.print_exc()
             finally:
+                end_descendants()  # nothing of the run is wanted now: killed at once
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code if isinstance(code, int) and 0 <= code < 256 else 1)
         pids[pid] = rank
     os.close(log_fd)
     codes: dict[int, int] = {}
+    stray: list = []  # what the ranks ended below had started: it would outlive them
+
+    def end_rank(pid: int, sig: int) -> None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            stray.extend(psutil.Process(pid).children(recursive=True))
+        os.kill(pid, sig)
+
     first_failure = None
     deadline = time.monotonic() + timeout
     kill_at = None
@@ -134,23 +147,58 @@ def run_forked(target, timeout: int = 300, nproc: int = 1) -> tuple[int, str]:
                     first_failure = rank
                     for other, other_rank in pids.items():
                         if other_rank not in codes:
-                            os.kill(other, signal.SIGTERM)
+                            end_rank(other, signal.SIGTERM)
                     kill_at = time.monotonic() + 5
         now = time.monotonic()
         if now > deadline or (kill_at is not None and now > kill_at):
             for pid, rank in pids.items():
                 if rank not in codes:
-                    os.kill(pid, signal.SIGKILL)
+                    end_rank(pid, signal.SIGKILL)
                     codes[rank] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
                     if first_failure is None:
                         first_failure = rank
             break
         time.sleep(0.02)
+    _kill_and_reap(stray)
     output = Path(log_path).read_text(errors="replace")
     os.unlink(log_path)
     if nproc > 1:
         output += "".join(f"[run_forked] rank {rank} exited {code}\n" for rank, code in sorted(codes.items()) if code)
     return (0 if first_failure is None else codes[first_failure]), output
+
+
+def end_descendants(grace_s: float = 0, keep: frozenset = frozenset()) -> list[str]:
+    """End every process below this one but the pids in ``keep``: SIGKILL, or with ``grace_s`` SIGTERM
+    first and SIGKILL to what is left that many seconds later; all of them reaped, those that had
+    already exited too. Returns ``pid N: command line`` of each that was still running."""
+    import psutil
+
+    running, exited = [], []
+    for proc in psutil.Process().children(recursive=True):
+        if proc.pid in keep:
+            continue
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                exited.append(proc)
+            else:
+                running.append((proc, " ".join(proc.cmdline()) or proc.name()))
+    if grace_s:
+        for proc, _ in running:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.terminate()
+        psutil.wait_procs([proc for proc, _ in running], timeout=grace_s)
+    _kill_and_reap([proc for proc, _ in running] + exited)
+    return [f"pid {proc.pid}: {command}" for proc, command in running]
+
+
+def _kill_and_reap(processes: list) -> None:
+    """SIGKILL to each of ``processes`` (psutil.Process) still there, then wait for them."""
+    import psutil
+
+    for proc in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(processes, timeout=5)
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -309,3 +357,39 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("one_line"):
             item.add_marker(skip)
+
+
+# --- processes the session leaves behind -----------------------------------------------------------
+# A process a test starts and does not end (a rank's helper, a launcher's worker) outlives its parent
+# and is handed to init, where nothing sees it. The test process is made the subreaper of everything
+# below it (Linux), so such orphans come to it, and at the end of the session every process still
+# below it is ended and named in the terminal summary.
+
+_LEFT_BEHIND = pytest.StashKey[list]()
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def pytest_configure(config):
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def pytest_sessionfinish(session):
+    # Not a leftover: this process's own resource tracker (a test that used the spawn context here),
+    # which ends when this process does.
+    tracker = sys.modules.get("multiprocessing.resource_tracker")
+    own = getattr(getattr(tracker, "_resource_tracker", None), "_pid", None)
+    session.config.stash[_LEFT_BEHIND] = end_descendants(grace_s=3, keep=frozenset({own}))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    left = config.stash.get(_LEFT_BEHIND, [])
+    if left:
+        terminalreporter.section(f"{len(left)} process(es) left behind by the tests, ended now",
+                                 sep="!", red=True, bold=True)
+        for line in left:
+            terminalreporter.line(line, red=True)
+        terminalreporter.line("A test or fixture started these and did not end them: find it by the "
+                              "command line (PYTEST_CURRENT_TEST is in their environment).", red=True)
