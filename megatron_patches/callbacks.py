@@ -19,6 +19,9 @@ if TYPE_CHECKING:  # pragma: no cover - names for the annotations only
 class Callback:
     """Events of one run; each default does nothing."""
 
+    def after_check(self, step: int, flagged: bool) -> None:
+        """After each checked step, on every rank, with its verdict (the same on every rank)."""
+
     def on_decision(self, decision: "Decision", incident: Optional["Incident"]) -> None:
         """After each incident's decision, on every rank (``incident`` on rank 0 only), before
         the guard acts on it."""

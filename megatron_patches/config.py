@@ -16,10 +16,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from . import config_checks as check
 from .config_load import ENV_VAR, build, config_path, read_config_file, redact_url, redacted
 from .errors import ConfigError
-from .safe_mode import KNOWN as _KNOWN_FEATURES
-from .safe_mode import unknown as _unknown_features
 
 __all__ = [
     "ENV_VAR", "AlertsConfig", "Config", "ConsistencyConfig", "DetectorsConfig", "HistoryConfig",
@@ -27,68 +26,6 @@ __all__ = [
     "ResponseConfig", "SceneConfig", "WebhookConfig", "config_path", "load_config",
     "read_config_file", "redact_url", "redacted",
 ]
-
-
-# --- per-field bounds: each returns what is wrong with a value, or None -----------------
-
-
-def _positive(value: Any) -> Optional[str]:
-    if value is not None and not value > 0:
-        return "must be > 0"
-    return None
-
-
-def _at_least_one(value: Any) -> Optional[str]:
-    if value is not None and value < 1:
-        return "must be >= 1"
-    return None
-
-
-def _fraction(value: Any) -> Optional[str]:
-    if value is not None and not 0 < value < 1:
-        return "must be between 0 and 1 (exclusive)"
-    return None
-
-
-def _known_features(value: Any) -> Optional[str]:
-    names = _unknown_features(value or ())
-    if names:
-        return f"names no feature the guard can switch off ({', '.join(names)}); known: {', '.join(_KNOWN_FEATURES)}"
-    return None
-
-
-def _known_feature_stages(value: Any) -> Optional[str]:
-    return _known_features([name for stage in value or () for name in stage])
-
-
-def _above_one(value: Any) -> Optional[str]:
-    if value is not None and not value > 1:
-        return "must be > 1"
-    return None
-
-
-def _share(value: Any) -> Optional[str]:
-    if value is not None and not 0 < value <= 1:
-        return "must be > 0 and <= 1"
-    return None
-
-
-def _non_negative(value: Any) -> Optional[str]:
-    if value is not None and value < 0:
-        return "must be >= 0"
-    return None
-
-
-def _exit_status(value: Any) -> Optional[str]:
-    if value is not None and not 3 <= value <= 255:
-        return "must be an exit status from 3 to 255 (0 is success, 1 a crash, 2 a refusal)"
-    return None
-
-
-def _http_url(value: Any) -> Optional[str]:
-    if value is not None and not value.startswith(("http://", "https://")):
-        return "must be an http:// or https:// URL"
-    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,9 +38,9 @@ class NonFiniteConfig:
 class MagnitudeConfig:
     enabled: bool = True
     """Flag a step whose gradient norms exceed the thresholds below (each null = off)."""
-    param_norm_max: Optional[float] = field(default=None, metadata={"check": _positive})
+    param_norm_max: Optional[float] = field(default=None, metadata={"check": check.positive})
     """Largest allowed L2 norm of one parameter's gradient."""
-    total_norm_max: Optional[float] = field(default=1.0e6, metadata={"check": _positive})
+    total_norm_max: Optional[float] = field(default=1.0e6, metadata={"check": check.positive})
     """Largest allowed L2 norm of the whole model's gradient (before clipping)."""
 
 
@@ -114,10 +51,10 @@ class LossScaleConfig:
     the initial scale, a routine overflow), counted, not reported; a collapse or a run of skips
     after calibration is an incident (:mod:`megatron_patches.seams.loss_scale`). With a constant
     ``--loss-scale`` every overflow is an incident, whatever this says."""
-    min_scale: float = field(default=1.0, metadata={"check": _positive})
+    min_scale: float = field(default=1.0, metadata={"check": check.positive})
     """A skip with the loss scale at or below this value, or at the scaler's own floor
     (``--min-loss-scale``), is an incident (the scaler has collapsed), calibrating or not."""
-    max_consecutive_skips: int = field(default=10, metadata={"check": _at_least_one})
+    max_consecutive_skips: int = field(default=10, metadata={"check": check.at_least_one})
     """This many skipped steps in a row, counted once a step has succeeded in the process (the
     descent from the initial scale is not counted), is an incident."""
 
@@ -127,27 +64,27 @@ class HistoryConfig:
     enabled: bool = True
     """Judge gradient norms (each parameter, each layer, the total) against their own moving
     statistics: z-score outliers and sustained growth that are still finite."""
-    ema_beta: float = field(default=0.98, metadata={"check": _fraction})
+    ema_beta: float = field(default=0.98, metadata={"check": check.fraction})
     """Decay of the moving mean and variance of log(norm) per checked step (0.98: ~50 steps)."""
-    warmup_steps: int = field(default=20, metadata={"check": _at_least_one})
+    warmup_steps: int = field(default=20, metadata={"check": check.at_least_one})
     """Accepted samples a series needs before it is judged (a restored baseline counts)."""
-    zscore: float = field(default=8.0, metadata={"check": _positive})
+    zscore: float = field(default=8.0, metadata={"check": check.positive})
     """Flag a log-value more than this many standard deviations above its moving mean..."""
-    min_ratio: float = field(default=16.0, metadata={"check": _at_least_one})
+    min_ratio: float = field(default=16.0, metadata={"check": check.at_least_one})
     """...and a parameter's or a layer's share (its norm over the norm of the rest) more than
     this many times its baseline exp(mean) (1 = z-score alone)..."""
-    total_min_ratio: float = field(default=20.0, metadata={"check": _at_least_one})
+    total_min_ratio: float = field(default=20.0, metadata={"check": check.at_least_one})
     """...or the whole model's norm more than this many times its baseline."""
-    drift_steps: int = field(default=8, metadata={"check": _at_least_one})
+    drift_steps: int = field(default=8, metadata={"check": check.at_least_one})
     """Flag growth on this many consecutive checked steps..."""
-    drift_ratio: float = field(default=1.2, metadata={"check": _above_one})
+    drift_ratio: float = field(default=1.2, metadata={"check": check.above_one})
     """...each by more than this factor over the last accepted norm."""
     per_param: bool = True
     """Also judge every parameter tensor (state on the device, 5 floats per tensor); false
     leaves the per-layer and total norms, which need no device work at all."""
-    interval: int = field(default=1, metadata={"check": _at_least_one})
+    interval: int = field(default=1, metadata={"check": check.at_least_one})
     """Judge every N-th checked step only."""
-    sample_fraction: float = field(default=1.0, metadata={"check": _share})
+    sample_fraction: float = field(default=1.0, metadata={"check": check.share})
     """Judge a rotating share of the parameter tensors per check (0.25: each one every 4th)."""
 
 
@@ -160,9 +97,9 @@ class ConsistencyConfig:
     """What the replicas must agree on. grads: reduced gradients (not with the distributed
     optimizer, whose gradients are sharded). params: the model parameters (an extra pass over
     them). auto: grads, or params with the distributed optimizer."""
-    interval: int = field(default=1, metadata={"check": _at_least_one})
+    interval: int = field(default=1, metadata={"check": check.at_least_one})
     """Compare every N-th checked step only."""
-    sample_fraction: float = field(default=0.0625, metadata={"check": _share})
+    sample_fraction: float = field(default=0.0625, metadata={"check": check.share})
     """Checksum the bits of a rotating share of the tensors per check: the default, 1/16, reads
     1/16 of the gradient (or parameter) memory per check and covers every tensor in 16 checks.
     With grads the sum of squared norms still covers every tensor each check (the guard has
@@ -175,18 +112,18 @@ class PeersConfig:
     enabled: bool = True
     """Judge each tensor's gradient against others of the same step: no history, so no warm-up
     (the first step of a job, or after a restart, is judged like any other)."""
-    ratio: float = field(default=100.0, metadata={"check": _above_one})
+    ratio: float = field(default=100.0, metadata={"check": check.above_one})
     """Flag a tensor inside a transformer layer whose norm relative to its layer (norm / the
     median norm of the layer's tensors) is more than this many times the median of that
     relative norm for the same tensor in the other layers."""
-    share_max: float = field(default=30.0, metadata={"check": _positive})
+    share_max: float = field(default=30.0, metadata={"check": check.positive})
     """Flag a tensor outside the layers (embeddings, final norm, output layer: no peers) whose
     gradient norm is more than this many times the norm of the rest of the model."""
-    max_slots: int = field(default=4096, metadata={"check": _at_least_one})
+    max_slots: int = field(default=4096, metadata={"check": check.at_least_one})
     """Most floats for the layer tensors in the one all-reduce (32 more serve the others): the
     detector takes layers x tensors per layer of the whole model (agreed by the ranks at the first
     check), up to this many; a model that needs more leaves it off with one warning."""
-    interval: int = field(default=1, metadata={"check": _at_least_one})
+    interval: int = field(default=1, metadata={"check": check.at_least_one})
     """Judge every N-th checked step only (the slots travel as zeros on the others)."""
 
 
@@ -208,14 +145,14 @@ class DetectorsConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class WebhookConfig:
-    url: str = field(default="", metadata={"check": _http_url, "secret": True})
+    url: str = field(default="", metadata={"check": check.http_url, "secret": True})
     """Where alerts are POSTed as JSON (required; it often holds a token, so it is never logged)."""
     format: Literal["generic", "slack", "feishu", "dingtalk"] = "generic"
     """Body shape. generic: the incident record itself. slack: {"text": ...}. feishu:
     {"msg_type": "text", "content": {"text": ...}}. dingtalk: {"msgtype": "text", "text": {"content": ...}}."""
-    timeout_s: float = field(default=5.0, metadata={"check": _positive})
+    timeout_s: float = field(default=5.0, metadata={"check": check.positive})
     """Give up on one POST after this many seconds."""
-    retries: int = field(default=2, metadata={"check": _non_negative})
+    retries: int = field(default=2, metadata={"check": check.non_negative})
     """Further attempts after a failed POST, with doubling pauses (alerts.backoff_s first)."""
 
     def __post_init__(self) -> None:
@@ -231,30 +168,30 @@ class AlertsConfig:
     """Append each alert to this JSONL file (relative paths are taken under report_dir)."""
     command: Optional[str] = None
     """Shell command run once per alert with the incident JSON on stdin, e.g. "mail -s nan ops"."""
-    command_timeout_s: float = field(default=30.0, metadata={"check": _positive})
+    command_timeout_s: float = field(default=30.0, metadata={"check": check.positive})
     """Kill the command (and its process group) after this many seconds."""
-    command_retries: int = field(default=0, metadata={"check": _non_negative})
+    command_retries: int = field(default=0, metadata={"check": check.non_negative})
     """Further runs after the command failed or timed out."""
     webhooks: tuple[WebhookConfig, ...] = ()
     """HTTP endpoints to POST each alert to."""
-    queue_size: int = field(default=100, metadata={"check": _at_least_one})
+    queue_size: int = field(default=100, metadata={"check": check.at_least_one})
     """Alerts waiting for the sender thread; when full the oldest is dropped and counted."""
-    backoff_s: float = field(default=1.0, metadata={"check": _positive})
+    backoff_s: float = field(default=1.0, metadata={"check": check.positive})
     """Pause before the first retry of a sink; doubled for each further retry."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class ExitCodesConfig:
-    rollback: int = field(default=84, metadata={"check": _exit_status})
+    rollback: int = field(default=84, metadata={"check": check.exit_status})
     """Every rank exits with this after the ledger is written: restart the job, it resumes from
     the newest healthy checkpoint (``scripts/restart_on_rollback.py --restart-on`` must match)."""
-    stop: int = field(default=85, metadata={"check": _exit_status})
+    stop: int = field(default=85, metadata={"check": check.exit_status})
     """An *error* with ``response.on_error: stop``: stopped cleanly for a person to look."""
-    critical: int = field(default=86, metadata={"check": _exit_status})
+    critical: int = field(default=86, metadata={"check": check.exit_status})
     """A *critical* incident (several replicas at once, or the retry budget spent). Give it the
     code your launcher's or scheduler's policy does not restart (NVRx ft_launcher 0.4.1 restarts
     on any failure, measured: docs/megatron_lm.md)."""
-    peer_lost: int = field(default=87, metadata={"check": _exit_status})
+    peer_lost: int = field(default=87, metadata={"check": check.exit_status})
     """A peer died or went silent while the ranks agreed on an incident: restart like a lost node."""
 
     def __post_init__(self) -> None:
@@ -266,16 +203,16 @@ class ExitCodesConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ResponseConfig:
-    persist_steps: int = field(default=2, metadata={"check": _at_least_one})
+    persist_steps: int = field(default=2, metadata={"check": check.at_least_one})
     """An anomaly on this many consecutive checked steps is an *error* (one alone is a *warning*)."""
-    recur_count: int = field(default=3, metadata={"check": _at_least_one})
+    recur_count: int = field(default=3, metadata={"check": check.at_least_one})
     """This many incidents within ``recur_window`` steps is an *error* too."""
-    recur_window: int = field(default=100, metadata={"check": _at_least_one})
+    recur_window: int = field(default=100, metadata={"check": check.at_least_one})
     """Steps over which ``recur_count`` is counted."""
     on_error: Literal["rollback", "stop"] = "rollback"
     """What an *error* does after saving: roll back to the newest healthy checkpoint, or stop
     every rank cleanly (``exit_codes.stop``, 85) for a person to look."""
-    critical_origins: int = field(default=2, metadata={"check": _at_least_one})
+    critical_origins: int = field(default=2, metadata={"check": check.at_least_one})
     """Anomalies entering on this many data-parallel replicas at once are *critical* (one rank's
     NaN copied to every replica by the all-reduce counts as one origin)."""
     origin_check: bool = True
@@ -284,7 +221,7 @@ class ResponseConfig:
     replay: bool = True
     """Where the training loop offers it, re-run the step's forward/backward to tell
     deterministic faults (data, numerics) from transient ones (hardware)."""
-    peer_timeout_s: float = field(default=300.0, metadata={"check": _positive})
+    peer_timeout_s: float = field(default=300.0, metadata={"check": check.positive})
     """Longest any rank waits for the others in an incident's decision (the findings gathered
     to rank 0, the decision broadcast back). When a peer died or stopped answering, every rank
     still alive exits with ``exit_codes.peer_lost`` (87) within this time instead of waiting for
@@ -296,26 +233,44 @@ class ResponseConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RecoveryConfig:
-    lr_factor: float = field(default=0.5, metadata={"check": _fraction})
-    """Each rollback multiplies the learning rate by this."""
-    lr_floor: float = field(default=0.05, metadata={"check": _fraction})
+    mode: Literal["in_process", "restart"] = "in_process"
+    """How Megatron-LM's loop rolls back. in_process: every rank restores the newest certified
+    in-memory snapshot in the same processes and redoes the iterations since; where that cannot
+    be (no certified snapshot newer than the newest healthy checkpoint, a safe-mode feature that
+    rebuilds the model, a data iterator the guard cannot record), it says why in one line and
+    restarts. restart: every rank exits with ``response.exit_codes.rollback`` and the launcher
+    restarts the job from the newest healthy checkpoint. The harness picks with ``--recovery``."""
+    snapshot_interval: int = field(default=5, metadata={"check": check.at_least_one})
+    """In-process mode: copy each rank's own state (model, optimizer, scheduler, RNG, data
+    position) to host memory after every N-th iteration."""
+    snapshots_kept: int = field(default=2, metadata={"check": check.at_least_one})
+    """In-process mode: snapshots held per rank (host memory: this many copies of the rank's
+    parameters and optimizer state, said at the first snapshot)."""
+    certify_steps: int = field(default=1, metadata={"check": check.at_least_one})
+    """A snapshot becomes a rollback target after this many further checked steps came out clean
+    (the first of them checks the gradients of the snapshot's own parameters and, with the
+    consistency detector, that the replicas agree on them); a flagged step before that drops it."""
+    lr_factor: float = field(default=0.5, metadata={"check": check.share})
+    """Each rollback multiplies the learning rate by this (1: a rollback that changes nothing but
+    the iterations redone)."""
+    lr_floor: float = field(default=0.05, metadata={"check": check.share})
     """The learning-rate scale never drops below this fraction of the original."""
-    max_rollbacks: int = field(default=3, metadata={"check": _at_least_one})
+    max_rollbacks: int = field(default=3, metadata={"check": check.at_least_one})
     """Retry budget: one more *error* after this many rollbacks is *critical*."""
     blacklist: Literal["always", "deterministic"] = "always"
     """Which samples a rollback skips: the batches of the incident steps (always), or only
     those a replay reproduced the fault on (deterministic)."""
-    keep_checkpoints: Optional[int] = field(default=None, metadata={"check": _at_least_one})
+    keep_checkpoints: Optional[int] = field(default=None, metadata={"check": check.at_least_one})
     """The harness's retention: checkpoints it keeps (None: 3); the newest healthy one is never
     deleted. Megatron-LM's loop keeps every checkpoint it saves and the guard deletes none there,
     so a Megatron-LM job that sets this key is refused at start (one line, exit 2)."""
-    disable_features: tuple[str, ...] = field(default=(), metadata={"check": _known_features})
+    disable_features: tuple[str, ...] = field(default=(), metadata={"check": check.known_features})
     """Features switched off in the job that resumes after a rollback (safe mode on retry): names
     from :data:`megatron_patches.safe_mode.FEATURES` (``dropout``, ``overlap_grad_reduce``, ...) or a
     group (``fusions``, ``overlap``). Megatron-LM's loop sets their arguments before it builds the
     model; the harness knows ``dropout`` only (the others are not in its model)."""
     disable_on_further_rollbacks: tuple[tuple[str, ...], ...] = field(
-        default=(), metadata={"check": _known_feature_stages})
+        default=(), metadata={"check": check.known_feature_stages})
     """Safe mode that grows with the retries: the k-th list is switched off as well from the job's
     (k+1)-th rollback on, e.g. ``[[fusions], [overlap]]``: the second rollback adds the fusions,
     the third the overlap. Names as in ``disable_features``; empty: nothing more after the first."""
@@ -325,9 +280,9 @@ class RecoveryConfig:
 class SceneConfig:
     enabled: bool = True
     """Save a fault-scene bundle per incident under ``<report_dir>/scenes/``."""
-    max_bytes: int = field(default=64 * 2**20, metadata={"check": _at_least_one})
+    max_bytes: int = field(default=64 * 2**20, metadata={"check": check.at_least_one})
     """Per rank and incident; the batch tokens are dropped first when over."""
-    queue_size: int = field(default=4, metadata={"check": _at_least_one})
+    queue_size: int = field(default=4, metadata={"check": check.at_least_one})
     """Bundles waiting for the writer thread; more are dropped and counted."""
     min_severity: Literal["warning", "error", "critical"] = "warning"
     """Incidents below this severity get no bundle."""
@@ -337,7 +292,7 @@ class SceneConfig:
 class Config:
     enabled: bool = True
     """Master switch: false installs nothing."""
-    check_interval: int = field(default=1, metadata={"check": _at_least_one})
+    check_interval: int = field(default=1, metadata={"check": check.at_least_one})
     """Check every N-th optimizer step (1 = every step)."""
     serve_norm: bool = False
     """Hand Megatron's ``get_grad_norm`` the total norm of the guard's own checked pass instead of
@@ -367,7 +322,7 @@ class Config:
     grad_history: bool = True
     """Rank 0 appends total and per-layer gradient norms of every checked step to
     ``<report_dir>/grad_history.jsonl`` (read by ``megatron-patches report --plot``)."""
-    grad_history_max_lines: int = field(default=100_000, metadata={"check": _at_least_one})
+    grad_history_max_lines: int = field(default=100_000, metadata={"check": check.at_least_one})
     """Rotate grad_history.jsonl to grad_history.jsonl.1 after this many lines (bounds disk use)."""
     inject: tuple[str, ...] = ()
     """Fault-injection specs for drills, e.g. "nan:step=5,param=*linear_fc1.weight" (see README)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from .incidents import IN_MEMORY
+
 
 def ranks_of(param: Optional[dict]) -> dict:
     """The ``ranks`` mapping of a parameter finding, or {} when it has none."""
@@ -159,7 +161,9 @@ def diagnosis(rec: dict) -> list[str]:
     if rerun and rerun.get("verdict"):
         done.append(f"Megatron's rerun in place: {rerun['verdict']}")
     if isinstance(rec.get("rolled_back_to"), int):
-        done.append(f"rolled back to the healthy checkpoint of step {rec['rolled_back_to']}"
+        target = ("in process to the in-memory snapshot" if rec.get("checkpoint") == IN_MEMORY
+                  else "to the healthy checkpoint")
+        done.append(f"rolled back {target} of step {rec['rolled_back_to']}"
                     + (f", learning rate x{rec['lr_scale']:g}" if isinstance(rec.get("lr_scale"), (int, float)) else ""))
     if isinstance(rec.get("disabled_features"), list) and rec["disabled_features"]:
         done.append(f"resumed in safe mode without {', '.join(map(str, rec['disabled_features']))}")

@@ -125,6 +125,10 @@ def make_record(
     return record
 
 
+IN_MEMORY = "in-memory snapshot"
+"""An in-process rollback's target (the record's ``checkpoint``): a snapshot in host memory."""
+
+
 @dataclass(frozen=True)
 class Outcome:
     """What the recovery executor made of an incident, merged into its record when published."""
@@ -139,7 +143,10 @@ class Outcome:
     pass stayed finite (a fault born in backward)."""
     rolled_back_to: Optional[int] = None
     checkpoint: Optional[str] = None
+    """The checkpoint directory rolled back to, or :data:`IN_MEMORY` for an in-memory snapshot."""
     lr_scale: Optional[float] = None
+    iterations_skipped: tuple = ()
+    """Iterations the redo after an in-process rollback left out (their samples blacklisted)."""
     decision: Optional[Decision] = None
     """Set when the executor had to change the decision (no healthy checkpoint: a critical stop)."""
 
@@ -148,6 +155,8 @@ class Outcome:
         for name in ("rolled_back_to", "checkpoint", "lr_scale", "forward_origin", "backward_origin"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
+        if self.iterations_skipped:
+            out["iterations_skipped"] = list(self.iterations_skipped)
         if self.decision is not None:
             out.update(severity=str(self.decision.severity), action=str(self.decision.action),
                        reason=self.decision.reason)

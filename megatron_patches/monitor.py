@@ -79,9 +79,8 @@ class GradMonitor:
         self.publisher = Publisher(config, self.report_dir)
         self.responder = Responder(config, self.detectors, self.peers, seams.record_fields)
         self._loss_scale = seams.loss_scale_watch(config.detectors.loss_scale)
-        self._step = 0
-        self._step_set = False
-        self._batch: list[int] = []
+        self._step, self._step_set = 0, False  # the step being made, and whether the loop named it
+        self._batch: list[int] = []  # this rank's samples, the fields beside them, their tokens (set_batch)
         self._batch_info: dict = {}
         self._batch_tokens: Optional[list] = None
         self._prepared: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -112,7 +111,7 @@ class GradMonitor:
         return self._overflow_mode
 
     @overflow_mode.setter
-    def overflow_mode(self, mode: str) -> None:
+    def overflow_mode(self, mode: str) -> None:  # tests and the saturation drills
         self._overflow_mode = mode
 
     @property
@@ -228,6 +227,7 @@ class GradMonitor:
         before = self.origin.take()
         verdict = self.stage.run(optimizer, entries, step, before.flag, self.overflow_mode == "saturation")
         self._note_checked(optimizer, entries, verdict)
+        self._tell("after_check", step, verdict.flagged)
         if not verdict.flagged:
             self.stage.commit(verdict, accepted=True)
             return False
@@ -263,7 +263,7 @@ class GradMonitor:
                 "injected": self.drills.fired_at(ctx.step), "moe_routing": self.routing.share(ctx.step)}
         try:
             decision, incident = self.responder.agree(verdict, action, part, self._batch_info, self.rollbacks,
-                                                      can_replay=getattr(self.executor, "in_process", False),
+                                                      can_replay=getattr(self.executor, "replays", False),
                                                       cause=cause)
         except PeerLost as error:
             self._peer_lost(ctx.step, error)
@@ -282,10 +282,9 @@ class GradMonitor:
         if incident is not None and ledger is not None and decision.action == Action.ROLLBACK:
             incident = dataclasses.replace(incident, ledger=ledger)
         self.last_incident = incident
-        replay = decision.replay or any([callback.wants_replay(decision) for callback in self.callbacks])
+        replay = decision.replay or any(self._tell("wants_replay", decision))
         self.publisher.hand_off(incident, captured, wait_for_outcome=replay, rank=self.rank)
-        for callback in self.callbacks:
-            callback.on_decision(decision, incident)
+        self._tell("on_decision", decision, incident)
         if decision.ends_run and not getattr(self.executor, "in_process", False):
             self.exit(decision)
 
@@ -307,6 +306,7 @@ class GradMonitor:
             return True
         verdict = self.stage.run(optimizer, self.stage.entries_for(optimizer), step, before.flag,
                                  self.overflow_mode == "saturation")
+        self._tell("after_check", step, True)
         self._incident(verdict, Action.SKIP_STEP, before, cause=event)
         self.stage.commit(verdict, accepted=False)
         return True
@@ -350,6 +350,10 @@ class GradMonitor:
         """Let ``callback`` hear of this run's events (:class:`~megatron_patches.callbacks.Callback`)."""
         self.callbacks.append(callback)
 
+    def _tell(self, event: str, *args: Any) -> list:
+        """Call ``event`` (a :class:`~megatron_patches.callbacks.Callback` method) on every callback, in order."""
+        return [getattr(callback, event)(*args) for callback in self.callbacks]
+
     def callback_of(self, kind: type[T]) -> Optional[T]:
         """The first callback added that is a ``kind``, or None (an integration finds its own)."""
         return next((callback for callback in self.callbacks if isinstance(callback, kind)), None)
@@ -379,8 +383,7 @@ class GradMonitor:
         code. Every rank reaches this from the same broadcast decision, so none is left waiting
         in a collective. The executor settles the decision first (the exit-and-restart one writes
         the ledger, and turns a rollback it cannot record into a critical stop)."""
-        for callback in self.callbacks:
-            callback.before_exit(decision)
+        self._tell("before_exit", decision)
         if self.executor is not None:
             decision = self.executor.settle_exit(decision)
         code = exit_code(decision, self.config.response.exit_codes)

@@ -22,8 +22,12 @@ class Executor(Protocol):
     """Acts on the guard's decisions."""
 
     in_process: bool
-    """True: it replays and rolls back inside the loop, and calls :meth:`Guard.exit` itself on a
-    stop. False: the guard ends the process on every stop and rollback decision."""
+    """True: it rolls back inside the loop, and calls :meth:`Guard.exit` itself on a stop (or on a
+    rollback it cannot make in process). False: the guard ends the process on every stop and
+    rollback decision."""
+
+    replays: bool
+    """True: it replays an incident's step itself (``TrainingLoop.replay_step``), so a decision may ask for it."""
 
     def settle_exit(self, decision: "Decision") -> "Decision":
         """Last work before the process ends for ``decision`` (write the ledger); returns the

@@ -34,10 +34,10 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Protocol
 
-from . import checkpoint, forward_origin, safe_mode
+from . import checkpoint, collectives, forward_origin, safe_mode
 from .callbacks import Callback
 from .decisions import Action, Decision, exit_code
-from .incidents import Incident, Outcome
+from .incidents import IN_MEMORY, Incident, Outcome
 from .ledger import Ledger
 from .protocols import Guard
 
@@ -170,16 +170,18 @@ def record_rollback(run: "InProcessRecovery", episode: Episode) -> Episode:
     if not episode.rolls_back:
         return episode
     ledger, outcome = run.ledger, episode.outcome
+    skipped = {"skip_iterations": list(outcome.iterations_skipped)} if outcome.iterations_skipped else {}
     ledger.events.append({"step": episode.step, "rolled_back_to": outcome.rolled_back_to,
                           "lr_scale": ledger.lr_scale, "blacklisted": len(outcome.blacklisted),
-                          "reason": episode.decision.reason})
+                          "reason": episode.decision.reason, **skipped})
     run.save_ledger()
     run.monitor.new_episode(ledger.rollbacks)
     run.episode_samples = []
-    log.warning("rolled back from step %d to healthy checkpoint %s (step %d); lr scale %.3g; "
-                "%d samples blacklisted; rollback %d of %d", episode.step, outcome.checkpoint,
-                outcome.rolled_back_to, ledger.lr_scale, len(outcome.blacklisted), ledger.rollbacks,
-                run.config.max_rollbacks)
+    target = "in-memory snapshot" if outcome.checkpoint == IN_MEMORY else f"healthy checkpoint {outcome.checkpoint}"
+    log.warning("rolled back from step %d to %s (step %d); lr scale %.3g; %d samples blacklisted%s; "
+                "rollback %d of %d", episode.step, target, outcome.rolled_back_to, ledger.lr_scale,
+                len(outcome.blacklisted), f", iterations {list(outcome.iterations_skipped)} skipped" if skipped else "",
+                ledger.rollbacks, run.config.max_rollbacks)
     return episode
 
 
@@ -201,11 +203,24 @@ IN_PROCESS_STEPS: tuple[RecoveryStep, ...] = (
 """The in-process chain, in order (the module's pseudocode)."""
 
 
+def save_in_process(ledger: Ledger, root: str, rank: int) -> None:
+    """An in-process executor's ledger write: rank 0 only, so a failure must not raise (the
+    others go on to the next collective). The process holds the ledger in memory and goes on
+    with it; a later restart would not know this rollback (its blacklist, LR scale and count)."""
+    if rank == 0:
+        try:
+            ledger.save(root)
+        except OSError as error:
+            log.warning("the ledger could not be written (%s): training goes on with it in memory, but "
+                        "a restart would not know this rollback, its blacklist or LR scale", error)
+
+
 class InProcessRecovery:
     """Acts on the monitor's decisions inside the training loop, one incident at a time, through
     ``steps`` (default :data:`IN_PROCESS_STEPS`)."""
 
     in_process = True
+    replays = True
 
     def __init__(self, monitor: Guard, loop: TrainingLoop, steps: tuple[RecoveryStep, ...] = IN_PROCESS_STEPS):
         self.monitor = monitor
@@ -232,15 +247,7 @@ class InProcessRecovery:
         return episode.resume_at
 
     def save_ledger(self) -> None:
-        """Rank 0 only, so a failure must not raise (the others go on to the next collective).
-        This process holds the ledger in memory and goes on with it; a later restart would not
-        know this rollback (its blacklist, LR scale and count)."""
-        if self.monitor.rank == 0:
-            try:
-                self.ledger.save(self.loop.checkpoint_root)
-            except OSError as error:
-                log.warning("the ledger could not be written (%s): training goes on with it in memory, but "
-                            "a restart would not know this rollback, its blacklist or LR scale", error)
+        save_in_process(self.ledger, self.loop.checkpoint_root, self.monitor.rank)
 
     def settle_exit(self, decision: Decision) -> Decision:
         """Nothing to write before an exit: the ledger was saved at each rollback."""
@@ -254,6 +261,7 @@ class ExitAndRestart(Callback):
     writer of that ledger; ``request_fields`` (the integration's) adds to its rollback request."""
 
     in_process = False
+    replays = False
 
     def __init__(self, monitor: Guard, checkpoint_root: str,
                  request_fields: Optional[Callable[[], dict]] = None):
@@ -279,13 +287,16 @@ class ExitAndRestart(Callback):
         without knowing why (no LR scale, no blacklist, no count against the budget): rank 0
         then stops critically instead, which no launcher takes for a rollback."""
         codes = self.monitor.config.response.exit_codes
-        if exit_code(decision, codes) != codes.rollback or self.monitor.rank != 0:
+        if exit_code(decision, codes) != codes.rollback:
+            return decision
+        fired = self._fired_anywhere()  # every rank: the drills a restart must not rehearse again
+        if self.monitor.rank != 0:
             return decision
         # The loop that reads the ledger at start-up switches the features off.
         self.ledger.record_rollback(self.config, self._episode_samples if self.config.blacklist == "always" else [])
         fields = self._request_fields() if self._request_fields is not None else {}
         self.ledger.rollback_requested = {"from_step": self.monitor.step, **fields}
-        self.ledger.spent_injections = sorted(set(self.ledger.spent_injections) | set(self.monitor.drills.fired_specs()))
+        self.ledger.spent_injections = sorted(set(self.ledger.spent_injections) | fired)
         self.ledger.events.append({"step": self.monitor.step, "exit": codes.rollback, "lr_scale": self.ledger.lr_scale,
                                    "blacklisted": len(self._episode_samples),
                                    **({"skip_iterations": fields["skip_iterations"]} if "skip_iterations" in fields else {})})
@@ -296,6 +307,16 @@ class ExitAndRestart(Callback):
                       "stopping with %d instead of asking for one", error, codes.critical)
             return decision.escalated("the ledger could not be written")
         return decision
+
+    def _fired_anywhere(self) -> set:
+        """The drills that fired on any rank (a drill bound to rank 1 fired there only), gathered to
+        rank 0 over the guard's bounded group; a peer that does not answer leaves this rank's own."""
+        mine = self.monitor.drills.fired_specs()
+        try:
+            every = collectives.gather_to_zero(mine, self.monitor.peers)
+        except collectives.PeerLost:
+            every = [mine]
+        return {spec for specs in every for spec in specs}
 
     def megatron_exit(self, step: int, code: int, state: str, fired: list[str]) -> None:
         """Megatron ends the job itself (its rerun machine's exit ``code`` from ``state``) at

@@ -98,7 +98,10 @@ def test_each_detector_bound_names_key_bound_and_value(section, key, value, prob
 
 @pytest.mark.parametrize("data, message", [
     ({"check_interval": 0}, "`check_interval` must be >= 1, got 0"),
-    ({"recovery": {"lr_factor": 1.0}}, "`recovery.lr_factor` must be between 0 and 1 (exclusive), got 1.0"),
+    ({"recovery": {"lr_factor": 1.5}}, "`recovery.lr_factor` must be > 0 and <= 1, got 1.5"),
+    ({"recovery": {"lr_floor": 0}}, "`recovery.lr_floor` must be > 0 and <= 1, got 0"),
+    ({"recovery": {"snapshot_interval": 0}}, "`recovery.snapshot_interval` must be >= 1, got 0"),
+    ({"recovery": {"mode": "inprocess"}}, "`recovery.mode` must be one of 'in_process', 'restart', got 'inprocess'"),
     ({"response": {"peer_timeout_s": 0}}, "`response.peer_timeout_s` must be > 0, got 0"),
     ({"alerts": {"command_retries": -1}}, "`alerts.command_retries` must be >= 0, got -1"),
     ({"alerts": {"queue_size": 0}}, "`alerts.queue_size` must be >= 1, got 0"),
@@ -110,8 +113,9 @@ def test_bounds_outside_the_detectors(data, message):
 def test_values_on_the_bound_itself_are_accepted():
     config = Config.from_dict({"detectors": {"history": {"sample_fraction": 1, "min_ratio": 1},
                                              "consistency": {"sample_fraction": 1.0}},
-                               "alerts": {"command_retries": 0}})
+                               "alerts": {"command_retries": 0}, "recovery": {"lr_factor": 1, "lr_floor": 1}})
     assert config.detectors.history.sample_fraction == 1.0 and config.alerts.command_retries == 0
+    assert config.recovery.lr_factor == 1 and config.recovery.lr_floor == 1  # a rollback without a cut
 
 
 SECRET = "T0KEN-abc123"

@@ -19,7 +19,9 @@ wheel). The main three:
 - ``save_checkpoint``: after Megatron saved ``iter_N/``, writes ``megatron_patches.json`` there:
   healthy when no incident happened since the previous save and every parameter is finite.
 
-Recovery protocol for Megatron-LM (no in-process executor: the loop cannot be re-entered)::
+Recovery: by default a rollback is made in process (:mod:`.megatron_lm_inprocess`: in-memory
+snapshots, the iterations since redone inside the ``train_step`` call that brought the decision).
+Where that cannot be, and under ``recovery.mode: restart``, the exit-and-restart protocol::
 
     rollback decision (every rank)  -> ledger: rollbacks+1, lr_scale*=lr_factor,
                                        rollback_requested={iteration, skip_iterations}
@@ -53,6 +55,7 @@ from ..errors import UserError, exit_refused
 from ..protocols import Guard
 from . import mindspeed_llm, wrappers
 from .megatron_lm_checkpoints import STATE_DIR, TRACKER_FILE, CheckpointMarks, newest_healthy_iteration, read_tracker, saved_lr_scale, state_file, warn0, write_marker
+from .megatron_lm_inprocess import InProcessRollback
 from .megatron_lm_replay import ForwardReplay, replays_here
 from .megatron_lm_rollback import Rollback, built_model_facts, core_version, skip_iterations, switch_off_for_retry, to_iterations_to_skip
 
@@ -81,6 +84,8 @@ class MegatronLMSession(Callback):
         self.marks = CheckpointMarks(monitor)
         self.replay: Optional[ForwardReplay] = None
         """Replays a skipped step's forward pass where Megatron's own check is off (:mod:`.megatron_lm_replay`)."""
+        self.in_process: Optional[InProcessRollback] = None
+        """Snapshots and in-process rollbacks (``recovery.mode: in_process``, with --save/--load)."""
         self._first_step = True
         self._checked_before = 0
 
@@ -116,6 +121,8 @@ class MegatronLMSession(Callback):
                 log.error("%s", error)
             exit_refused(collectives.rank())
         self.rollback.before_load(args, optimizer)
+        if self.monitor.config.recovery.mode == "in_process":
+            self.in_process = InProcessRollback(self.monitor, self.rollback.restart, self.before_step)
 
     # -- around each iteration ------------------------------------------------------------------
 
@@ -292,10 +299,16 @@ def train_step_wrapper(wrapped, instance, args, kwargs):
         current.before_step(optimizer, scheduler, skipped=True)
         return mindspeed_llm.skip(megatron_args, bound.arguments["data_iterator"], core_version())
     current.before_step(optimizer, scheduler)
+    iteration = int(megatron_args.curr_iteration) + 1
+    if current.in_process is not None:
+        current.in_process.before_iteration(iteration, bound.arguments["data_iterator"],
+                                            int(megatron_args.consumed_train_samples))
     result = wrapped(*args, **kwargs)
     current.after_step()
     if current.replay is not None and current.replay.pending is not None:
         current.replay.run(bound.arguments)  # a step the guard skipped: where its forward pass broke
+    if current.in_process is not None:  # a snapshot, or a rollback made here: the redone iteration's result
+        result = current.in_process.after_iteration(iteration, wrapped, bound, result)
     return result
 
 

@@ -92,15 +92,24 @@ def _layer_spec(config: Any, vp_stage: Any):
     return block_spec(config, use_transformer_engine=False)
 
 
+TRAIN_HEADROOM_BATCHES = 16
+"""Global batches the training split holds beyond what Megatron asks for. Megatron's sampler reads
+the same first samples either way; a loop that reads past its schedule (an in-process rollback
+whose data position is not restored, the tests' negative control) then trains on instead of
+running out of data."""
+
+
 def datasets_provider(train_val_test_num_samples, vp_stage: Any = None):
-    """(train, validation, test) datasets of the sizes Megatron asks for."""
+    """(train, validation, test) datasets of the sizes Megatron asks for (the training split with
+    :data:`TRAIN_HEADROOM_BATCHES` more)."""
     from megatron.training import get_args
 
     args = get_args()
+    extra = (TRAIN_HEADROOM_BATCHES * args.global_batch_size, 0, 0)
     return tuple(
-        CountingDataset(max(int(n), 1), args.seq_length, args.padded_vocab_size, args.seed + split)
+        CountingDataset(max(int(n), 1) + more, args.seq_length, args.padded_vocab_size, args.seed + split)
         if n else None
-        for split, n in enumerate(train_val_test_num_samples)
+        for split, (n, more) in enumerate(zip(train_val_test_num_samples, extra))
     )
 
 

@@ -1,0 +1,314 @@
+"""A rollback in Megatron-LM's loop without leaving the processes (``recovery.mode: in_process``).
+
+Megatron's ``train()`` keeps its iteration count and data iterator in local variables, so the
+loop itself cannot be moved back. The rollback happens inside the ``train_step`` call that
+brought the decision instead: every rank restores the newest certified in-memory snapshot
+(:mod:`megatron_patches.snapshots`), then runs Megatron's own ``train_step`` again for each
+iteration since, on the very batches those iterations read (:class:`BatchTape`), and hands
+``train()`` the result of the last one. ``train()`` goes on with the next iteration from its own
+iterator, which stands where an uninterrupted run's would. Protocol, per rank::
+
+    every iteration        tape the batches the iteration reads; after it, a snapshot every
+                           recovery.snapshot_interval iterations; each check certifies or drops
+    rollback decision      the ranks agree on the newest snapshot all of them hold certified
+      none newer than the newest healthy checkpoint, a feature that cannot switch off in place,
+      a loop whose iterator is not taped  -> one line, then exit 84 and restart (as mode restart)
+    restore                parameters, optimizer state, scheduler, loss scaler, RNG, rerun
+                           machine, the guard's baselines (copied back in place)
+    the recovery steps     blacklist, cut the LR, safe mode (dropout), ledger event, record
+    redo                   iterations snapshot+1 .. decision, each from its taped batches
+                           (blacklisted ones left out); a new rollback or stop there -> restart
+
+Only this module knows Megatron-LM's arguments and classes; the chain's steps are
+:mod:`megatron_patches.recovery`'s.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from dataclasses import replace
+from typing import Any, Callable, NoReturn, Optional
+
+import torch
+
+from .. import collectives, recovery, safe_mode, snapshots
+from ..callbacks import Callback
+from ..decisions import Action, Decision
+from ..incidents import IN_MEMORY, Incident
+from ..ledger import Ledger
+from ..protocols import Guard
+from ..recovery import Episode
+from .megatron_lm_checkpoints import newest_healthy_iteration, warn0
+from .megatron_lm_state import install_tapes, live_tensors, restore_values, small_values
+
+log = logging.getLogger("megatron_patches")
+
+IN_PLACE_FEATURES = ("dropout",)
+"""Safe-mode features switched off in the live model; any other one needs a rebuilt model (restart)."""
+
+# --- the executor ----------------------------------------------------------------------------------
+
+
+class InProcessRollback(Callback):
+    """The executor of Megatron-LM's loop under ``recovery.mode: in_process``: snapshots, and a
+    rollback made in the same processes (the module's protocol). What it cannot do in process it
+    hands to the exit-and-restart executor beside it (``restart``), which keeps the ledger."""
+
+    in_process = True
+    replays = False
+
+    def __init__(self, monitor: Guard, restart: recovery.ExitAndRestart, before_step: Callable[[Any, Any], None]):
+        """``before_step(optimizer, scheduler)``: what the loop integration does before each
+        ``train_step`` (tell the guard the iteration and batch), run again for each redone one."""
+        self.monitor = monitor
+        self.restart = restart
+        self.before_step = before_step
+        self.config = monitor.config.recovery
+        self.ledger_path = restart.ledger_path
+        """Named in the records: a rollback that falls back to a restart has its outcome there."""
+        self.store = snapshots.SnapshotStore(self.config.snapshot_interval, self.config.snapshots_kept,
+                                             self.config.certify_steps)
+        self.loop = LiveLoop(self)
+        self.episode_samples: list = []
+        self._episode_iterations: list = []
+        self._tapes: Optional[list] = None
+        self._consumed: dict[int, int] = {}
+        """consumed_train_samples at the start of each taped iteration."""
+        self._call: Optional[tuple] = None
+        """(train_step, its bound arguments) of the call that brought the decision."""
+        self._result: Any = None
+        self.applied_scale = restart.ledger.lr_scale
+        """The learning-rate scale the live param groups and scheduler carry."""
+        monitor.add_callback(self)
+        monitor.attach(self, restart.ledger.rollbacks)
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.restart.ledger
+
+    def save_ledger(self) -> None:
+        recovery.save_in_process(self.ledger, self.restart.checkpoint_root, self.monitor.rank)
+
+    def settle_exit(self, decision: Decision) -> Decision:
+        """A stop, or a rollback made by a restart: the exit-and-restart executor writes the ledger."""
+        return self.restart.settle_exit(decision)
+
+    # -- the monitor's events ----------------------------------------------------------------------
+
+    def after_check(self, step: int, flagged: bool) -> None:
+        self.store.note_check(step, flagged)
+
+    def on_decision(self, decision: Decision, incident: Optional[Incident]) -> None:
+        self._episode_iterations.append(int(decision.step))
+        if incident is not None and incident.batch is not None:  # rank 0, every rank's samples
+            self.episode_samples += incident.batch.get("samples", [])
+
+    def wants_replay(self, decision: Decision) -> bool:
+        """A rollback's record waits for its outcome (target, LR, iterations left out)."""
+        return decision.action == Action.ROLLBACK
+
+    # -- around each train_step ----------------------------------------------------------------------
+
+    def before_iteration(self, iteration: int, data_iterator: Any, consumed: int) -> None:
+        """Tape what ``iteration`` (as Megatron logs it) reads."""
+        if self._tapes is None:
+            self._tapes = install_tapes(data_iterator)
+        for tape in self._tapes or ():
+            tape.iteration = iteration
+        self._consumed[iteration] = consumed
+
+    def after_iteration(self, iteration: int, wrapped: Callable, bound: inspect.BoundArguments, result: Any) -> Any:
+        """After Megatron's ``train_step`` for ``iteration``: a snapshot when one is due, or the
+        decision acted on (a rollback returns the redone iteration's result for ``train()``)."""
+        for tape in self._tapes or ():
+            tape.iteration = None
+        decision = self.monitor.take_decision()
+        if decision is None or decision.action not in (Action.ROLLBACK, Action.STOP):
+            if not _skipped(result):
+                self._snapshot(iteration, bound)
+            return result
+        self._call, self._result = (wrapped, bound), result
+        episode = Episode(decision.step, decision)
+        for step in IN_PROCESS_CHAIN:
+            episode = step(self, episode)
+        self._episode_iterations, self.episode_samples = [], []
+        return self._result
+
+    def _snapshot(self, iteration: int, bound: inspect.BoundArguments) -> None:
+        if not self.store.due(iteration):
+            return
+        model, optimizer, scheduler = _state_of(bound)
+        first = not self.store.snapshots and not self.store.skipped
+        taken = self.store.take(iteration, live_tensors(model, optimizer),
+                                small_values(optimizer, scheduler, self.monitor, self.ledger.lr_scale))
+        if taken is not None and first:
+            warn0("in-memory snapshots every %d iterations, %d kept: %.1f MiB per snapshot on rank 0 (at most "
+                  "%.1f MiB of host memory per rank of its size)", self.store.interval, self.store.kept,
+                  taken.nbytes / 2**20, self.store.kept * taken.nbytes / 2**20)
+        oldest = min((s.step for s in self.store.snapshots), default=iteration)
+        for tape in self._tapes or ():
+            tape.forget_through(oldest)
+        for old in [i for i in self._consumed if i <= oldest]:
+            del self._consumed[old]
+
+    def fall_back(self, decision: Decision, why: str) -> NoReturn:
+        """This rollback by a restart instead (exit 84, the ledger's request), after one line."""
+        warn0("rollback at iteration %d made by a restart, not in process: %s", decision.step, why)
+        self.monitor.exit(decision)
+
+
+class LiveLoop:
+    """What the recovery steps ask of the loop (:class:`~megatron_patches.recovery.TrainingLoop`),
+    done on the live Megatron-LM objects of the call in flight."""
+
+    def __init__(self, run: InProcessRollback):
+        self.run = run
+
+    def set_lr_scale(self, scale: float) -> None:
+        """The param groups' and the scheduler's bounds times ``scale`` / the scale they carry."""
+        factor = scale / self.run.applied_scale
+        if factor != 1.0:
+            _, optimizer, scheduler = _state_of(self.run._call[1])
+            for name in ("init_lr", "max_lr", "min_lr"):
+                if getattr(scheduler, name, None) is not None:
+                    setattr(scheduler, name, getattr(scheduler, name) * factor)
+            for group in optimizer.param_groups:
+                for key in ("max_lr", "min_lr"):
+                    if group.get(key) is not None:
+                        group[key] *= factor
+            scheduler.step(increment=0)
+        self.run.applied_scale = scale
+
+    def set_blacklist(self, samples: list) -> None:
+        """Megatron-LM skips iterations, not samples: the redo leaves the episode's out (the ledger
+        keeps them for a later restart)."""
+
+    def disable_feature(self, name: str) -> None:
+        """Dropout off in the live model (the only feature that changes in place, checked first)."""
+        model, _, _ = _state_of(self.run._call[1])
+        for chunk in model:
+            for module in chunk.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+                for attribute in ("hidden_dropout", "attention_dropout"):
+                    if isinstance(getattr(module, attribute, None), float):
+                        setattr(module, attribute, 0.0)
+
+
+def _state_of(bound: inspect.BoundArguments) -> tuple:
+    arguments = bound.arguments
+    return arguments["model"], arguments["optimizer"], arguments["opt_param_scheduler"]
+
+
+def _skipped(result: Any) -> bool:
+    """Whether Megatron's ``train_step`` left the update out (its second value, every release)."""
+    return isinstance(result, tuple) and len(result) > 1 and bool(result[1])
+
+
+# --- the chain's own steps (the others are megatron_patches.recovery's) -------------------------------
+
+
+def choose_target(run: InProcessRollback, episode: Episode) -> Episode:
+    """Every rank: the newest snapshot all ranks hold certified, if a rollback can be made in
+    process at all; otherwise the rollback goes to a restart (:meth:`InProcessRollback.fall_back`)."""
+    if not episode.rolls_back:
+        return episode
+    wanted = list(run.config.disable_features) + [
+        name for stage in run.config.disable_on_further_rollbacks[:run.ledger.rollbacks] for name in stage]
+    already = safe_mode.expand(run.ledger.disabled_features)  # off since the job started
+    rebuilt = [name for name in safe_mode.expand(wanted) if name not in already and name not in IN_PLACE_FEATURES]
+    held = collectives.gather_to_zero((run.store.certified(), run._tapes is not None), run.monitor.peers)
+    agreed = collectives.broadcast_from_zero(
+        (snapshots.common_newest([steps for steps, _ in held]), all(taped for _, taped in held)) if held else None,
+        run.monitor.peers)
+    target, taped = agreed
+    disk = newest_healthy_iteration(run.restart.checkpoint_root)
+    why = (f"recovery switches off {', '.join(rebuilt)}, which needs the model built again" if rebuilt
+           else "the loop's data iterator is not Megatron's RerunDataIterator, so its batches are not taped"
+           if not taped else "no in-memory snapshot is certified on every rank yet" if target is None
+           else f"the healthy checkpoint of iteration {disk} is newer than the newest certified snapshot "
+                f"({target})" if disk is not None and disk > target else None)
+    if why is not None:
+        run.fall_back(episode.decision, why)
+    return replace(episode, resume_at=target + 1)
+
+
+def skip_iterations(run: InProcessRollback, episode: Episode) -> Episode:
+    """Under ``blacklist: always`` the redo leaves out every iteration of the episode."""
+    if not episode.rolls_back or run.config.blacklist != "always":
+        return episode
+    skipped = tuple(sorted(set(run._episode_iterations)))
+    return replace(episode, outcome=replace(episode.outcome, iterations_skipped=skipped))
+
+
+def restore_snapshot(run: InProcessRollback, episode: Episode) -> Episode:
+    """The target's tensors and values back in place on this rank."""
+    if not episode.rolls_back:
+        return episode
+    target = episode.resume_at - 1
+    snapshot = run.store.get(target)
+    model, optimizer, scheduler = _state_of(run._call[1])
+    try:
+        snapshots.restore(snapshot, live_tensors(model, optimizer))
+    except RuntimeError as error:  # the state's layout changed since the snapshot: nothing was copied
+        run.fall_back(episode.decision, str(error))
+    restore_values(snapshot.values, optimizer, scheduler, run.monitor)
+    run.applied_scale = snapshot.values["lr_scale"]
+    run.store.drop_after(target)
+    return replace(episode, outcome=replace(episode.outcome, rolled_back_to=target, checkpoint=IN_MEMORY))
+
+
+def redo(run: InProcessRollback, episode: Episode) -> Episode:
+    """Megatron's own ``train_step`` again for each iteration since the target, on its taped
+    batches; ``train()`` gets the last one's result. A rollback or stop decided during the redo
+    is made by a restart."""
+    if not episode.rolls_back:
+        return episode
+    from megatron.training import get_args
+
+    args, (wrapped, bound) = get_args(), run._call
+    _, optimizer, scheduler = _state_of(bound)
+    entry, started, redone = (args.curr_iteration, args.consumed_train_samples), time.perf_counter(), 0
+    left_out = set(episode.outcome.iterations_skipped)
+    try:
+        for iteration in range(episode.resume_at, episode.step + 1):
+            for tape in run._tapes:
+                tape.replay(iteration)
+            if iteration in left_out:
+                continue
+            args.curr_iteration, args.consumed_train_samples = iteration - 1, run._consumed[iteration]
+            run.before_step(optimizer, scheduler)
+            arguments = dict(bound.arguments)
+            if "iteration" in arguments:
+                arguments["iteration"] = iteration - 1
+            run._result = wrapped(**arguments)
+            redone += 1
+            _log_redone(iteration, args.train_iters, run._result)
+            again = run.monitor.take_decision()
+            if again is not None and again.ends_run:
+                run.fall_back(again, f"iteration {iteration} of the redo after the rollback was {again.action} too")
+            if not _skipped(run._result):
+                run._snapshot(iteration, bound)
+    finally:
+        args.curr_iteration, args.consumed_train_samples = entry
+    warn0("rolled back in process to the snapshot of iteration %d and redid %d iteration(s) in %.2f s",
+          episode.resume_at - 1, redone, time.perf_counter() - started)
+    return episode
+
+
+def _log_redone(iteration: int, total: int, result: Any) -> None:
+    """Each redone iteration's losses, on the rank that prints Megatron's training log (the last),
+    in its format: ``train()`` logged the faulty first run of these iterations, not the redo."""
+    if collectives.rank() != collectives.world_size() - 1 or not isinstance(result, tuple) or not result:
+        return
+    losses = result[0] if isinstance(result[0], dict) else {}
+    values = " |".join(f" {key}: {float(value):.6E}" for key, value in losses.items() if torch.is_tensor(value)
+                       and value.numel() == 1 or isinstance(value, float))
+    print(f"[megatron_patches] redone iteration {iteration:8d}/{total:8d} |{values} |", flush=True)
+
+
+IN_PROCESS_CHAIN = (choose_target, recovery.blacklist, skip_iterations, restore_snapshot, recovery.cut_lr,
+                    recovery.safe_mode_step, recovery.record_rollback, recovery.publish, recovery.stop, redo)
+"""One decision in Megatron-LM's loop, in process (the module's protocol)."""

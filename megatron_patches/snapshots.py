@@ -1,0 +1,163 @@
+"""In-memory snapshots: each rank's own state copied to host memory every few iterations, kept as
+rollback targets once certified.
+
+A snapshot holds copies of this rank's tensors (the model's parameters, the optimizer's main
+weights and state) and the small values beside them (scheduler, RNG, loss scaler, the guard's
+baselines), as the loop integration hands them over (:class:`SnapshotStore.take`). On a GPU the
+copies go to pinned host buffers on a side stream, and the copy is waited for only when the
+snapshot is used or replaced, never on the step that takes it; on a CPU they are plain copies.
+
+A snapshot becomes a rollback *target* only once ``certify_steps`` further checked steps came out
+clean (:meth:`SnapshotStore.note_check`): the first of them checks the gradients of the very
+parameters the snapshot holds, and the consistency detector compares them across the
+data-parallel replicas in the same per-step collective, so "clean" also means "the replicas
+agreed". A flagged check before that drops every snapshot still waiting: whatever broke may
+have been building when they were taken. Every rank sees the same verdicts, so every rank
+certifies and drops the same snapshots; a rank that could not take one (memory) is found at the
+rollback, where the ranks agree on the newest target they all hold (:func:`common_newest`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+log = logging.getLogger("megatron_patches")
+
+
+@dataclass
+class Snapshot:
+    """One rank's state after ``step``."""
+
+    step: int
+    tensors: list
+    """Host copies, in the order of the live tensors they were taken from."""
+    values: dict
+    """Everything else, already copied (scheduler, RNG, loss scaler, data position, guard state)."""
+    nbytes: int
+    clean_checks: int = 0
+    """Clean checked steps since it was taken; certified at ``certify_steps``."""
+    certified_at: Optional[int] = None
+    """The step whose clean check certified it (None while it waits)."""
+    _ready: Any = field(default=None, repr=False)
+    """A CUDA event recorded after the copies (None on a CPU: already done)."""
+
+    def wait(self) -> None:
+        """Block until the copies are complete (only needed on a GPU)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+            self._ready = None
+
+
+class SnapshotStore:
+    """The snapshots of one run on one rank: taken every ``interval`` steps, the newest ``kept``
+    held, certified after ``certify_steps`` clean checked steps."""
+
+    def __init__(self, interval: int, kept: int, certify_steps: int):
+        self.interval = interval
+        self.kept = kept
+        self.certify_steps = certify_steps
+        self.snapshots: list[Snapshot] = []
+        """Oldest first; certified ones and at most the newest few still waiting."""
+        self.skipped = 0
+        """Snapshots not taken (memory), each said in one warning."""
+        self._stream: Any = None
+
+    def due(self, step: int) -> bool:
+        return step % self.interval == 0
+
+    def take(self, step: int, live: list, values: dict) -> Optional[Snapshot]:
+        """Copy ``live`` (tensors) and keep ``values`` (already copies) as the state after ``step``.
+        Buffers of the oldest snapshot are reused when it is the one to go. A copy that fails for
+        memory is skipped with one warning; the run goes on."""
+        recycled = self._evict() if len(self.snapshots) >= self.kept else None
+        try:
+            snapshot = self._copy(step, live, values, recycled)
+        except (RuntimeError, MemoryError) as error:  # torch's out-of-memory is a RuntimeError
+            self.skipped += 1
+            log.warning("in-memory snapshot of step %d not taken (%s); the rollback targets stay the older ones",
+                        step, str(error).splitlines()[0] if str(error) else type(error).__name__)
+            return None
+        self.snapshots.append(snapshot)
+        return snapshot
+
+    def _evict(self) -> Snapshot:
+        """The snapshot to give up for a new one: the oldest, unless it is the newest certified
+        target (then the oldest of those still waiting after it), so that a target always remains."""
+        certified = [s for s in self.snapshots if s.certified_at is not None]
+        keep = certified[-1] if certified else None
+        victim = next(s for s in self.snapshots if s is not keep) if len(self.snapshots) > 1 else self.snapshots[0]
+        self.snapshots.remove(victim)
+        return victim
+
+    def _copy(self, step: int, live: list, values: dict, recycled: Optional[Snapshot]) -> Snapshot:
+        reuse = recycled is not None and len(recycled.tensors) == len(live) and all(
+            a.shape == b.shape and a.dtype == b.dtype for a, b in zip(recycled.tensors, live))
+        if reuse:
+            recycled.wait()
+        on_gpu = any(t.is_cuda for t in live)
+        if not on_gpu:
+            copies = [dst.copy_(src.detach()) for dst, src in zip(recycled.tensors, live)] if reuse \
+                else [src.detach().clone() for src in live]
+            return Snapshot(step, copies, values, sum(c.numel() * c.element_size() for c in copies))
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            copies = recycled.tensors if reuse else [
+                torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True) for t in live]
+            for dst, src in zip(copies, live):
+                dst.copy_(src.detach(), non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        return Snapshot(step, copies, values, sum(c.numel() * c.element_size() for c in copies), _ready=ready)
+
+    def note_check(self, step: int, flagged: bool) -> None:
+        """A checked step's verdict (the same on every rank): certify, or drop those still waiting."""
+        waiting = [s for s in self.snapshots if s.certified_at is None and s.step < step]
+        if flagged:
+            self.snapshots = [s for s in self.snapshots if s not in waiting]
+            return
+        for snapshot in waiting:
+            snapshot.clean_checks += 1
+            if snapshot.clean_checks >= self.certify_steps:
+                snapshot.certified_at = step
+
+    def certified(self) -> list[int]:
+        """Steps of the certified snapshots held, oldest first."""
+        return [s.step for s in self.snapshots if s.certified_at is not None]
+
+    def get(self, step: int) -> Snapshot:
+        snapshot = next(s for s in self.snapshots if s.step == step)
+        snapshot.wait()
+        return snapshot
+
+    def drop_after(self, step: int) -> None:
+        """After a rollback to ``step``: the snapshots of the abandoned future are gone."""
+        self.snapshots = [s for s in self.snapshots if s.step <= step]
+
+    def bytes_held(self) -> int:
+        return sum(s.nbytes for s in self.snapshots)
+
+
+def restore(snapshot: Snapshot, live: list) -> None:
+    """Copy ``snapshot``'s tensors back into ``live`` (the same tensors, in the same order, that
+    it was taken from), in place: every view of them (DDP's buffers) sees the restored values."""
+    if len(live) != len(snapshot.tensors):
+        raise RuntimeError(f"snapshot of step {snapshot.step} holds {len(snapshot.tensors)} tensors, "
+                           f"the run has {len(live)} now")
+    snapshot.wait()
+    with torch.no_grad():
+        for dst, src in zip(live, snapshot.tensors):
+            dst.copy_(src, non_blocking=False)
+
+
+def common_newest(held: list[list[int]]) -> Optional[int]:
+    """The newest step every rank holds a certified snapshot of (``held``: each rank's steps)."""
+    common = set(held[0]) if held else set()
+    for steps in held[1:]:
+        common &= set(steps)
+    return max(common) if common else None

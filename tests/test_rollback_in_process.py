@@ -1,0 +1,109 @@
+"""A rollback in Megatron-LM's packaged loop made in the same processes (recovery.mode: in_process):
+in-memory snapshots certified by the checks after them, the newest certified one restored, the
+iterations since redone on the batches they read, and the run then equal to an uninterrupted
+one bit for bit (every rank's weights and optimizer state after every iteration, SHA-256 by
+megatron_patches.testing.step_probe; every logged loss). The negative control leaves the data
+position where the fault left it: the equality must break.
+
+Ranks are forked from pytest (conftest.run_packaged_loop): one process lifetime per rank, so an
+exit 84 (a restart) shows as the run's exit code and fails these tests.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import run_packaged_loop
+from megatron_patches.seams import megatron_lm_state
+from megatron_patches.testing import step_probe
+from test_megatron_lm import FC1, TINY, _packaged_loop_available, guard_env, incidents, iterations
+
+pytestmark = [pytest.mark.multiproc,
+              pytest.mark.skipif(not _packaged_loop_available(),
+                                 reason="the installed megatron-core ships no megatron/training (0.17+ does)")]
+
+ITERS = 10
+FAULT = f"nan:step=5,count=2,rank=1,phase=local,param={FC1}"
+"""Rank 1's own fc1 gradient NaN at iterations 5 and 6: a skip, then a rollback."""
+EXACT = {"recovery": {"lr_factor": 1, "blacklist": "deterministic", "snapshot_interval": 2}}
+"""A rollback that changes nothing but the iterations redone."""
+DP2_BF16_DISTOPT = ("--bf16", "--use-distributed-optimizer")
+LAYOUTS = {
+    "dp2_bf16_distopt": (DP2_BF16_DISTOPT, FAULT),
+    # Two stages: layer 1 and its fc1 live on rank 1 (no data parallelism: the optimizer's gradient).
+    "pp2": (("--pipeline-model-parallel-size", "2"), f"nan:step=5,count=2,rank=1,param={FC1}"),
+    # Two expert ranks (a dense weight: the experts' own are named in tests/test_moe.py).
+    "ep2_moe": (("--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
+                 "--disable-bias-linear", "--bf16", "--use-distributed-optimizer"),
+                "nan:step=5,count=2,rank=1,phase=local,param=decoder.layers.1.self_attention.linear_qkv.weight"),
+}
+REDONE = re.compile(r"\[megatron_patches\] redone iteration\s+(\d+)/\s*\d+ \| lm loss: ([^ |]+)")
+
+
+def train(tmp_path, name: str, *flags: str, drill: str | None = None, config: dict = EXACT) -> dict:
+    """One run of ITERS iterations on 2 ranks: its exit code, output, probe lines and records."""
+    where = tmp_path / name
+    where.mkdir()
+    env = {**guard_env(where, inject=[drill] if drill else [], **config), step_probe.ENV: str(where / "probe")}
+    ckpt = where / "ckpt"
+    code, output = run_packaged_loop(env, [*TINY, "--train-iters", str(ITERS), "--save", str(ckpt), "--load", str(ckpt),
+                                           "--save-interval", "100", *flags])
+    probes = step_probe.read(where / "probe")
+    last = {rank: {line["iteration"]: line for line in lines} for rank, lines in probes.items()}  # a redo's line wins
+    losses = {i: m.group(1) for i, line in iterations(output).items() if (m := re.search(r"lm loss: ([^ |]+)", line))}
+    losses.update({int(i): loss for i, loss in REDONE.findall(output)})  # a redone iteration's loss wins
+    return {"code": code, "output": output, "after": last, "losses": losses, "incidents": incidents(where)}
+
+
+def digests(run: dict) -> dict:
+    return {rank: {i: (line["weights"], line["state"]) for i, line in lines.items()} for rank, lines in run["after"].items()}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The uninterrupted run of a layout (no drill, the same flags), made once per module."""
+    made: dict = {}
+
+    def of(layout: str) -> dict:
+        if layout not in made:
+            made[layout] = train(tmp_path_factory.mktemp(layout), "clean", *LAYOUTS[layout][0])
+            assert made[layout]["code"] == 0, made[layout]["output"][-4000:]
+        return made[layout]
+
+    return of
+
+
+@pytest.fixture
+def baseline(uninterrupted):
+    return uninterrupted("dp2_bf16_distopt")
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_persistent_nan_rolls_back_in_process_and_equals_the_uninterrupted_run(tmp_path, uninterrupted, layout):
+    flags, drill = LAYOUTS[layout]
+    baseline = uninterrupted(layout)
+    run = train(tmp_path, "rolled", *flags, drill=drill)
+    output = run["output"]
+    assert run["code"] == 0, output[-6000:]  # no exit 84: the same processes went on
+    assert "stopping with exit code" not in output
+    found = run["incidents"]
+    assert [(i["step"], i["action"]) for i in found] == [(5, "skip_step"), (6, "rollback")]
+    # Snapshots at 2 and 4; the check of 5 flagged, so 4 was never certified: the target is 2.
+    assert found[1]["rolled_back_to"] == 2 and found[1]["checkpoint"] == "in-memory snapshot"
+    assert "rolled back in process to the snapshot of iteration 2 and redid 4 iteration(s)" in output
+    assert sorted(iterations(output)) == list(range(1, ITERS + 1))
+    assert digests(run) == digests(baseline)  # every rank, every iteration, every bit
+    assert run["losses"] == baseline["losses"] and len(run["losses"]) == ITERS
+
+
+def test_without_the_data_position_restored_the_rollback_is_not_exact(tmp_path, baseline, monkeypatch):
+    """Negative control: the redo reads on from where the fault left the data iterator."""
+    monkeypatch.setattr(megatron_lm_state.BatchTape, "replay", lambda self, iteration: None)
+    run = train(tmp_path, "unrestored", *DP2_BF16_DISTOPT, drill=FAULT)
+    assert run["code"] == 0, run["output"][-6000:]
+    assert run["incidents"][1]["rolled_back_to"] == 2
+    final = {rank: lines[ITERS] for rank, lines in digests(run).items()}
+    assert final != {rank: lines[ITERS] for rank, lines in digests(baseline).items()}
+
