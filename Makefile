@@ -20,7 +20,7 @@ NPROC ?= 4
 MEGATRON ?=
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast test-all layout-matrix demo bench gpu-check patch unpatch patch-status clean
+.PHONY: install test test-fast test-all layout-matrix demo bench bench-rollback gpu-check patch unpatch patch-status clean
 
 # One stamp per megatron-core request: asking for another release installs it.
 STAMP := $(VENV)/.installed-$(or $(MEGATRON_CORE),newest)
@@ -72,6 +72,11 @@ demo: install
 bench: install
 	$(VPY) scripts/bench_overhead.py --out bench.json
 
+# A persistent fault rolled back in process vs by exit 84 and a restart, and the snapshots' step-time
+# cost, through Megatron-LM's packaged loop (megatron-core 0.17+: PYTHON=python3.12 VENV=.venv312).
+bench-rollback: install
+	$(VPY) scripts/bench_rollback.py --out bench_rollback.json
+
 # The device check (8 minutes at most): nccl, bf16, drills, guard on/off, the bench; results in
 # runs/gpu_check. GPU_CHECK_ARGS=--dry-run runs it on the CPU.
 gpu-check: install
@@ -90,4 +95,4 @@ patch-status:
 	$(PYTHON) scripts/megatron_patch.py status --megatron "$(MEGATRON)"
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info bench.json
+	rm -rf $(VENV) runs build *.egg-info bench.json bench_rollback.json
