@@ -163,7 +163,8 @@ def diagnosis(rec: dict) -> list[str]:
     if isinstance(rec.get("rolled_back_to"), int):
         target = ("in process to the in-memory snapshot" if rec.get("checkpoint") == IN_MEMORY
                   else "to the healthy checkpoint")
-        done.append(f"rolled back {target} of step {rec['rolled_back_to']}"
+        certified = f" (certified at step {rec['certified_at']})" if isinstance(rec.get("certified_at"), int) else ""
+        done.append(f"rolled back {target} of step {rec['rolled_back_to']}{certified}"
                     + (f", learning rate x{rec['lr_scale']:g}" if isinstance(rec.get("lr_scale"), (int, float)) else ""))
     if isinstance(rec.get("disabled_features"), list) and rec["disabled_features"]:
         done.append(f"resumed in safe mode without {', '.join(map(str, rec['disabled_features']))}")

@@ -147,12 +147,14 @@ class Outcome:
     lr_scale: Optional[float] = None
     iterations_skipped: tuple = ()
     """Iterations the redo after an in-process rollback left out (their samples blacklisted)."""
+    certified_at: Optional[int] = None
+    """The step whose clean check made the in-memory target a rollback target."""
     decision: Optional[Decision] = None
     """Set when the executor had to change the decision (no healthy checkpoint: a critical stop)."""
 
     def fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {"replay": self.replay, "blacklisted": list(self.blacklisted)}
-        for name in ("rolled_back_to", "checkpoint", "lr_scale", "forward_origin", "backward_origin"):
+        for name in ("rolled_back_to", "checkpoint", "certified_at", "lr_scale", "forward_origin", "backward_origin"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         if self.iterations_skipped:

@@ -170,18 +170,20 @@ def record_rollback(run: "InProcessRecovery", episode: Episode) -> Episode:
     if not episode.rolls_back:
         return episode
     ledger, outcome = run.ledger, episode.outcome
-    skipped = {"skip_iterations": list(outcome.iterations_skipped)} if outcome.iterations_skipped else {}
+    extra = {"skip_iterations": list(outcome.iterations_skipped)} if outcome.iterations_skipped else {}
+    if outcome.certified_at is not None:  # an in-memory target: when it became one
+        extra["target_certified_at"] = outcome.certified_at
     ledger.events.append({"step": episode.step, "rolled_back_to": outcome.rolled_back_to,
                           "lr_scale": ledger.lr_scale, "blacklisted": len(outcome.blacklisted),
-                          "reason": episode.decision.reason, **skipped})
+                          "reason": episode.decision.reason, **extra})
     run.save_ledger()
     run.monitor.new_episode(ledger.rollbacks)
     run.episode_samples = []
     target = "in-memory snapshot" if outcome.checkpoint == IN_MEMORY else f"healthy checkpoint {outcome.checkpoint}"
+    left_out = f", iterations {list(outcome.iterations_skipped)} skipped" if outcome.iterations_skipped else ""
     log.warning("rolled back from step %d to %s (step %d); lr scale %.3g; %d samples blacklisted%s; "
                 "rollback %d of %d", episode.step, target, outcome.rolled_back_to, ledger.lr_scale,
-                len(outcome.blacklisted), f", iterations {list(outcome.iterations_skipped)} skipped" if skipped else "",
-                ledger.rollbacks, run.config.max_rollbacks)
+                len(outcome.blacklisted), left_out, ledger.rollbacks, run.config.max_rollbacks)
     return episode
 
 

@@ -92,6 +92,7 @@ def test_a_persistent_nan_rolls_back_in_process_and_equals_the_uninterrupted_run
     assert [(i["step"], i["action"]) for i in found] == [(5, "skip_step"), (6, "rollback")]
     # Snapshots at 2 and 4; the check of 5 flagged, so 4 was never certified: the target is 2.
     assert found[1]["rolled_back_to"] == 2 and found[1]["checkpoint"] == "in-memory snapshot"
+    assert found[1]["certified_at"] == 3  # the clean check of iteration 3 made it a target
     assert "rolled back in process to the snapshot of iteration 2 and redid 4 iteration(s)" in output
     assert sorted(iterations(output)) == list(range(1, ITERS + 1))
     assert digests(run) == digests(baseline)  # every rank, every iteration, every bit

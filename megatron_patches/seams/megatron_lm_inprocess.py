@@ -257,7 +257,8 @@ def restore_snapshot(run: InProcessRollback, episode: Episode) -> Episode:
     restore_values(snapshot.values, optimizer, scheduler, run.monitor)
     run.applied_scale = snapshot.values["lr_scale"]
     run.store.drop_after(target)
-    return replace(episode, outcome=replace(episode.outcome, rolled_back_to=target, checkpoint=IN_MEMORY))
+    return replace(episode, outcome=replace(episode.outcome, rolled_back_to=target, checkpoint=IN_MEMORY,
+                                            certified_at=snapshot.certified_at))
 
 
 def redo(run: InProcessRollback, episode: Episode) -> Episode:
