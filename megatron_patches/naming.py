@@ -35,7 +35,8 @@ class ParamInfo:
     order: int
     counts_in_norm: bool
     """False for copies that Megatron's grad norm skips: TP-replicated parameters on TP ranks
-    other than 0, and shared (tied) parameters."""
+    other than 0 (for a routed expert's parameters, replicated over the expert-TP group: on
+    expert-TP ranks other than 0), and shared (tied) parameters."""
     chunk: int = 0
     """Index of the model chunk holding it: its virtual pipeline rank under an interleaved
     schedule (0 otherwise)."""
@@ -72,8 +73,10 @@ def _parallel_state():
 
 
 def rank_info() -> dict[str, int]:
-    """{global, tp, pp, dp, cp, ep, edp, vpp} of this process (0 where not initialized); ``edp``
-    is the expert-data-parallel rank, over which expert gradients are reduced."""
+    """{global, tp, pp, dp, cp, ep, edp, etp, vpp} of this process (0 where not initialized);
+    ``edp`` is the expert-data-parallel rank, over which expert gradients are reduced, and ``etp``
+    the expert-tensor-parallel rank, which holds one slice of each of its experts' weights
+    (``--expert-tensor-parallel-size``; Megatron's default for MoE is the tensor-parallel size)."""
     ranks = {"global": rank()}
     ps = _parallel_state()
     getters = {
@@ -83,6 +86,7 @@ def rank_info() -> dict[str, int]:
         "cp": "get_context_parallel_rank",
         "ep": "get_expert_model_parallel_rank",
         "edp": "get_expert_data_parallel_rank",
+        "etp": "get_expert_tensor_parallel_rank",
     }
     for key, getter in getters.items():
         ranks[key] = int(getattr(ps, getter)()) if ps is not None and hasattr(ps, getter) else 0
@@ -228,10 +232,24 @@ def name_modules(model_chunks: list) -> list[tuple[str, int, torch.nn.Module]]:
     return named
 
 
+def counts_in_norm(param: Any, tp_rank: int, etp_rank: int) -> bool:
+    """Whether Megatron's grad norm counts ``param`` on this rank: a slice of a tensor-parallel
+    weight always; a replicated one on rank 0 of its group, which for the parameters reduced
+    over expert-data-parallel ranks (``allreduce`` False: the routed experts') is the
+    expert-tensor-parallel group, for every other the tensor-parallel group; a shared (tied)
+    copy never."""
+    if getattr(param, "shared", False):
+        return False
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    return (etp_rank if not getattr(param, "allreduce", True) else tp_rank) == 0
+
+
 def name_parameters(model_chunks: list) -> dict[int, ParamInfo]:
     """``{id(param): ParamInfo}`` for every parameter of this rank's model chunks."""
     ps = _parallel_state()
     tp_rank = ps.get_tensor_model_parallel_rank() if ps else 0
+    etp_rank = int(getattr(ps, "get_expert_tensor_parallel_rank", lambda: 0)() or 0) if ps else 0
     ep_rank, per_rank = expert_place(model_chunks)
     infos: dict[int, ParamInfo] = {}
     for chunk_index, chunk in enumerate(model_chunks):
@@ -241,12 +259,11 @@ def name_parameters(model_chunks: list) -> dict[int, ParamInfo]:
         for position, (raw_name, param) in enumerate(model.named_parameters()):
             name = _global_name(raw_name, renames)
             layer_match = _LAYER_IN_NAME.search(name)
-            tp_param = bool(getattr(param, "tensor_model_parallel", False))
             infos[id(param)] = ParamInfo(
                 name=name,
                 layer=int(layer_match.group(1)) if layer_match else None,
                 order=stage * _STAGE_STRIDE + position,
-                counts_in_norm=(tp_param or tp_rank == 0) and not getattr(param, "shared", False),
+                counts_in_norm=counts_in_norm(param, tp_rank, etp_rank),
                 chunk=chunk_index,
                 expert=expert_of(name, ep_rank, per_rank) if per_rank else None,
             )

@@ -9,7 +9,8 @@ optimizer objects is left.
 Checked and tested (not refused): FP32, Float16 and distributed optimizers (``--bf16``/``--fp16``,
 ``--use-distributed-optimizer``, ``--overlap-grad-reduce``), tensor and pipeline parallel, and
 interleaved (virtual) pipelines, MTP, mixture-of-experts with expert parallelism (alltoall and
-allgather dispatchers, expert tensor parallel size 1; docs/moe.md), the precision-aware optimizer
+allgather dispatchers; experts split over expert-tensor-parallel ranks, Megatron's default under
+TP; docs/moe.md), the precision-aware optimizer
 (``--use-precision-aware-optimizer``: the bf16 shards' ``decoupled_grad`` is read), its CPU offload
 (``--optimizer-cpu-offload``: read there too, before ``HybridDeviceOptimizer`` copies it to the host), context
 parallelism (``--context-parallel-size``: ranks named with their ``cp``), torch FSDP2
@@ -54,14 +55,10 @@ HIGH_AVAILABILITY_WHY = (
 def unsupported_flag(args: Any) -> Optional[tuple[str, str]]:
     """(flag, why) for the first unsupported variant in Megatron-LM's ``args``, or None."""
     on = lambda name: bool(getattr(args, name, False))  # noqa: E731
-    size = lambda name: int(getattr(args, name, None) or 1)  # noqa: E731
     for name in HIGH_AVAILABILITY_ARGS:
         if on(name):
             return "--" + name.replace("_", "-"), HIGH_AVAILABILITY_WHY
     if getattr(args, "num_experts", None) and getattr(args, "moe_token_dispatcher_type", None) == "flex":
         return ("--moe-token-dispatcher-type flex",
                 "the DeepEP/HybridEP dispatcher is CUDA-only and has not run with the guard; use alltoall or allgather")
-    if getattr(args, "num_experts", None) and size("expert_tensor_parallel_size") > 1:
-        return ("--expert-tensor-parallel-size",
-                "experts split over tensor-parallel ranks have not run with the guard yet; set it to 1")
     return None

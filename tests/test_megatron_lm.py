@@ -711,17 +711,18 @@ def test_fp16_constant_loss_scale_overflow_is_an_incident(loop_kind, request, tm
 @pytest.mark.multiproc
 def test_a_refused_variant_stops_the_job_before_its_model_is_built_with_exit_2_and_one_line(
         loop_kind, request, tmp_path):
-    """A variant the guard does not check yet (here experts split over tensor-parallel ranks) stops
-    the job before the model is built and before the first iteration: exit code 2, one line on
-    rank 0 naming the flag, no worker traceback."""
+    """A variant the guard does not check yet (here the flex token dispatcher, DeepEP/HybridEP)
+    stops the job before the model is built and before the first iteration: exit code 2, one line
+    on rank 0 naming the flag and why, no worker traceback."""
     loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
     env = {**guard_env(tmp_path), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    proc = loop.run(env, "--num-experts", "4", "--expert-tensor-parallel-size", "2", "--disable-bias-linear",
-                    "--moe-token-dispatcher-type", "alltoall", process=True)  # torchrun's summary is read
+    proc = loop.run(env, "--num-experts", "4", "--expert-model-parallel-size", "2", "--disable-bias-linear",
+                    "--moe-token-dispatcher-type", "flex", process=True)  # torchrun's summary is read
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0 and re.search(r"exitcode\s*: 2\b", output), output[-4000:]
     refusals = [line for line in output.splitlines() if "is not supported by megatron_patches yet" in line]
-    assert len(refusals) == 1 and "--expert-tensor-parallel-size" in refusals[0], refusals
+    assert len(refusals) == 1 and "--moe-token-dispatcher-type flex" in refusals[0], refusals
+    assert "CUDA-only" in refusals[0]
     assert "[rank0]: Traceback" not in output and "[rank1]: Traceback" not in output
     assert iterations(output) == {}
 

@@ -49,6 +49,24 @@ def test_expert_of_gives_the_global_and_local_expert_index(name, ep_rank, per_ra
     assert naming.expert_of(name, ep_rank, per_rank) == expected
 
 
+@pytest.mark.parametrize("attrs, tp_rank, etp_rank, counts", [
+    ({"tensor_model_parallel": True, "allreduce": False}, 1, 1, True),  # an expert weight's ETP slice
+    ({"allreduce": False}, 1, 0, True),   # an expert weight replicated over TP, ETP 1: expert-TP rank 0 counts it
+    ({"allreduce": False}, 0, 1, False),  # ... replicated over the expert-TP group: only its rank 0 counts it
+    ({}, 1, 0, False),                    # a dense replicated weight: tensor-parallel rank 0 counts it
+    ({"tensor_model_parallel": True, "shared": True}, 0, 0, False),  # a tied copy never
+])
+def test_an_expert_weights_copies_count_in_the_norm_once_per_expert_tensor_parallel_group(attrs, tp_rank, etp_rank,
+                                                                                            counts):
+    """Megatron's grad norm skips a replicated parameter's copies on all but rank 0 of its group:
+    the expert-TP group for the routed experts' parameters (reduced over expert-DP, ``allreduce``
+    False), the TP group for the rest."""
+    param = torch.nn.Parameter(torch.zeros(2))
+    for key, value in attrs.items():
+        setattr(param, key, value)
+    assert naming.counts_in_norm(param, tp_rank, etp_rank) is counts
+
+
 def _first(module: str, call: int, stage: int = 0, expert: dict | None = None) -> dict:
     return {"module": module, "stage": stage, "call": call, **({"expert": expert} if expert else {})}
 

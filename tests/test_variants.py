@@ -28,8 +28,6 @@ def megatron_args(**flags) -> SimpleNamespace:
 @pytest.mark.parametrize("flags, flag", [
     ({"num_experts": 4, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "flex"},
      "--moe-token-dispatcher-type flex"),
-    ({"num_experts": 4, "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2},
-     "--expert-tensor-parallel-size"),
 ])
 def test_each_unchecked_variant_is_refused_in_one_line_naming_its_flag(flags, flag):
     with pytest.raises(UnsupportedConfig) as caught:
@@ -62,6 +60,8 @@ def test_the_no_replica_option_alone_changes_nothing_and_passes():
     {"num_experts": 4, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "alltoall",
      "expert_tensor_parallel_size": 1},  # MoE with expert parallelism: checked (docs/moe.md)
     {"num_experts": 4, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"},
+    {"num_experts": 4, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "alltoall",
+     "tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 2},  # experts split over TP ranks (ETP)
     {"context_parallel_size": 2},  # tests/test_variant_loops.py
     {"use_precision_aware_optimizer": True, "use_distributed_optimizer": True},
     {"optimizer_cpu_offload": True, "use_precision_aware_optimizer": True, "use_distributed_optimizer": True},

@@ -26,6 +26,8 @@ parallelism needs Transformer Engine's attention; :mod:`megatron_patches.testing
 lets the local attention gather K and V over the CP group instead. The optimizer's CPU offload
 (``HybridDeviceOptimizer``) tells device from host parameters by ``is_cuda``, False for every
 tensor here; :mod:`megatron_patches.testing.cpu_offload` makes the split as on a GPU machine.
+Experts split over expert-tensor-parallel ranks under the all-to-all dispatcher gather pieces of
+different lengths, which gloo refuses; :mod:`megatron_patches.testing.uneven_collectives` pads them.
 Nothing here is installed by importing this module, and :func:`uninstall` restores every attribute.
 
 This is a test runtime: it makes numbers come out of real megatron-core code on
@@ -43,7 +45,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_patches.testing import context_parallel, cpu_offload, fused_adam
+from megatron_patches.testing import context_parallel, cpu_offload, fused_adam, uneven_collectives
 
 __all__ = ["install", "uninstall", "installed", "cpu_runtime"]
 
@@ -184,6 +186,7 @@ def _redirects() -> list[tuple[Any, str, Any]]:
     items += fused_adam.redirects()
     items += context_parallel.redirects()
     items += cpu_offload.redirects()
+    items += uneven_collectives.redirects()
     return items
 
 
