@@ -1,13 +1,9 @@
-"""Checkpoints through megatron-core's dist_checkpointing, marked healthy or not.
-
-A checkpoint is ``<root>/iter_0000012/``: model and optimizer as megatron-core sharded state
-dicts, plus the scheduler, the data position, the guard's state and every rank's RNG states
-(as ``ShardedObject``s, one per rank). It is saved under a temporary name and renamed when
-every rank has finished, so a directory named ``iter_*`` is always complete.
+"""Checkpoint directories marked healthy or not: ``<root>/iter_0000012/`` (the harness's own,
+saved by :mod:`megatron_patches.testing.checkpoints`, or Megatron-LM's).
 
 ``megatron_patches.json`` beside the data says whether the checkpoint is *healthy*: no
 incident since the previous healthy checkpoint and every parameter finite on every rank.
-Retention never deletes the newest healthy checkpoint.
+Retention never deletes the newest healthy checkpoint. Nothing here knows Megatron's classes.
 """
 
 from __future__ import annotations
@@ -20,85 +16,18 @@ from typing import Any, Optional
 
 import torch
 
-from .collectives import collective_device, local_shard, rank, world_size
+from .collectives import collective_device, local_shard
 from .files import write_json_atomic
-from .rng import rng_state, set_rng_state  # trainer and monitor import these from here too
 
 log = logging.getLogger("megatron_patches")
 
 MARKER = "megatron_patches.json"
-_PREFIX = "iter_"
-
-
-def _barrier() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-
-
-def _inner(model: Any) -> Any:
-    """The module inside DDP: its state-dict keys carry no ``module.`` prefix."""
-    from megatron.core.distributed import DistributedDataParallel
-
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
-def _optimizer_metadata(optimizer: Any) -> dict:
-    """dp_reshardable: each rank saves its own distributed-optimizer buffers as they are
-    (megatron-core 0.16's default format rejects flattened ranges at save time). Releases
-    before 0.13 take no ``metadata`` argument on every leaf optimizer: pass none there."""
-    import inspect
-
-    leaves = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    if all("metadata" in inspect.signature(leaf.sharded_state_dict).parameters for leaf in leaves):
-        return {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}}
-    return {}
-
-
-def _sharded_state(model: Any, optimizer: Any, is_loading: bool) -> dict:
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    model_sd = _inner(model).sharded_state_dict()
-    return {
-        "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, **_optimizer_metadata(optimizer)),
-        "rng": ShardedObject("megatron_patches.rng", None if is_loading else rng_state(),
-                             (world_size(),), (rank(),), replica_id=0),
-    }
+PREFIX = "iter_"
+"""Every checkpoint directory's name: ``iter_`` and the step in seven digits."""
 
 
 def checkpoint_dir(root: str, step: int) -> str:
-    return os.path.join(root, f"{_PREFIX}{step:07d}")
-
-
-def save_checkpoint(root: str, step: int, model: Any, optimizer: Any, scheduler: Any, extra: dict,
-                    healthy: bool, keep: int = 3) -> str:
-    """Save on every rank (collective); returns the checkpoint directory.
-
-    ``extra`` (scheduler-independent, identical on all ranks: data position, guard state...)
-    is stored in the common part. ``healthy`` must be the same on every rank."""
-    from megatron.core import dist_checkpointing
-
-    final = checkpoint_dir(root, step)
-    tmp = os.path.join(root, f".tmp_{_PREFIX}{step:07d}")
-    if rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
-    state = _sharded_state(model, optimizer, is_loading=False)
-    state["common"] = {"step": step, "scheduler": scheduler.state_dict(), **extra}
-    dist_checkpointing.save(state, tmp)
-    _barrier()
-    if rank() == 0:
-        try:
-            write_marker(tmp, step, healthy)
-        except OSError as error:  # the others wait at the barrier below: never raise here
-            log.warning("checkpoint step %d could not be marked (%s): without a marker it is never a "
-                        "rollback target", step, error)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _apply_retention(root, keep)
-    _barrier()
-    return final
+    return os.path.join(root, f"{PREFIX}{step:07d}")
 
 
 def write_marker(directory: str, step: int, healthy: bool, **extra: Any) -> None:
@@ -142,7 +71,7 @@ def list_checkpoints(root: str) -> list[tuple[int, str, bool]]:
         return found
     for name in os.listdir(root):
         path = os.path.join(root, name)
-        if not name.startswith(_PREFIX) or not os.path.isfile(os.path.join(path, MARKER)):
+        if not name.startswith(PREFIX) or not os.path.isfile(os.path.join(path, MARKER)):
             continue
         marker = read_marker(path)
         if marker is not None:
@@ -180,24 +109,10 @@ def newest_healthy(root: str) -> Optional[tuple[int, str]]:
     return healthy[-1] if healthy else None
 
 
-def _apply_retention(root: str, keep: int) -> None:
+def apply_retention(root: str, keep: int) -> None:
+    """Keep the newest ``keep`` checkpoints under ``root``, and the newest healthy one whatever its age."""
     checkpoints = list_checkpoints(root)
     protected = newest_healthy(root)
     for step, path, _ in checkpoints[:-keep] if keep > 0 else []:
         if protected is None or path != protected[1]:
             shutil.rmtree(path, ignore_errors=True)
-
-
-def load_checkpoint(path: str, model: Any, optimizer: Any, scheduler: Any) -> dict:
-    """Restore model, optimizer, scheduler and this rank's RNG from ``path``; returns the
-    common part (step, data position, guard state...)."""
-    from megatron.core import dist_checkpointing
-
-    state = _sharded_state(model, optimizer, is_loading=True)
-    loaded = dist_checkpointing.load(state, path)
-    _inner(model).load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
-    common = dist_checkpointing.load_common_state_dict(path)["common"]
-    scheduler.load_state_dict(common["scheduler"])
-    set_rng_state(loaded["rng"])
-    return common

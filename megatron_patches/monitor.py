@@ -292,7 +292,7 @@ class GradMonitor:
         batch = {**self._batch_info, "samples": list(self._batch), "tokens": self._batch_tokens}
         return scene.capture(self.report_dir, verdict.ctx, findings, batch, self.stage.first_optimizer(),
                              {"step": self._step, "rollbacks": self.rollbacks}, self.overflow_mode,
-                             self.rank, episode=self.rollbacks)
+                             self.rank, episode=self.rollbacks, rng=self.seams.rng_state())
 
     def _scaler_overflow(self, optimizer: Any, step: int) -> bool:
         """A step the loss scaler skips (:mod:`~megatron_patches.seams.loss_scale`). What was seen before

@@ -66,6 +66,9 @@ class Seams(Protocol):
                       entries: list, grads: list) -> None:
         """Keep the check's total norm for Megatron's ``get_grad_norm`` of the same step."""
 
+    def rng_state(self) -> dict:
+        """Every random-number generator a step draws from on this rank (a fault scene keeps it)."""
+
     def record_fields(self, everyone: list, extra: dict) -> tuple[dict, str]:
         """Rank 0: the record's fields from Megatron's loss check and rerun, and a note for the message."""
 

@@ -166,13 +166,13 @@ def _size(obj: Any) -> int:
 
 
 def capture(report_dir: str, ctx: Any, findings: list, batch: dict, optimizer: Any, meta: dict,
-            overflow_mode: str, rank: int, episode: int) -> tuple[str, dict]:
+            overflow_mode: str, rank: int, episode: int, rng: dict) -> tuple[str, dict]:
     """This rank's scene of the check ``ctx`` as it is now: (path, payload) of CPU copies, nothing
     shared with training. ``batch``: the record's batch fields with ``samples`` and ``tokens``
     (this rank's micro-batch tensors, or None); ``meta``: the guard's step and rollbacks, to which
-    the optimizer's param groups and loss scale are added."""
+    the optimizer's param groups and loss scale are added; ``rng``: every RNG's state
+    (``Seams.rng_state``)."""
     from . import naming
-    from .rng import rng_state
 
     norms = ctx.norms.tolist() if ctx.norms is not None else []
     tokens = batch.get("tokens")
@@ -182,7 +182,7 @@ def capture(report_dir: str, ctx: Any, findings: list, batch: dict, optimizer: A
         "host": naming.host(),
         "device": naming.device_name(),
         "batch": {**batch, "tokens": [t.detach().cpu().clone() for t in tokens] if tokens else None},
-        "rng": rng_state(),
+        "rng": rng,
         "grad_norms": {e.info.name: n for e, n in zip(ctx.entries, norms)},
         "findings": [f.as_record() for f in findings],
         "optimizer": _optimizer_meta(optimizer, meta),

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..config import Config
 from ..monitor import GradMonitor
-from . import grad_sync, mindspeed, optimizer_params, origin, rerun_machine, served_norm, wrappers
+from . import grad_sync, mindspeed, optimizer_params, origin, rerun_machine, rng, served_norm, wrappers
 from .loss_scale import LossScaleWatch
 from .model_chunks import ModelChunks
 
@@ -42,6 +42,7 @@ class MegatronSeams:
     undo_prepare_on_skip = staticmethod(mindspeed.undo_prepare_on_skip)
     remember_norm = staticmethod(served_norm.remember)
     record_fields = staticmethod(rerun_machine.record_fields)
+    rng_state = staticmethod(rng.rng_state)
 
     def model_chunks(self) -> ModelChunks:
         return ModelChunks()

@@ -12,7 +12,8 @@ from typing import Any, Optional
 
 import torch
 
-from .. import collectives, rng
+from .. import collectives
+from . import rng
 from ..protocols import Guard
 
 _RERUN_FIELDS = ("current_iteration", "large_value_counts", "max_values", "validation_counts")

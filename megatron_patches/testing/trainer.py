@@ -109,7 +109,7 @@ class TinyTrainer:
         """One optimizer step; returns {loss, grad_norm, skipped, samples} (same on every rank)."""
         global_batch = self.sampler.next_global_batch()
         microbatches = self._my_microbatches(global_batch)
-        from ..checkpoint import rng_state
+        from ..seams.rng import rng_state
 
         self._step_inputs = (step, microbatches, rng_state())
         self._checked_before_step = self.monitor.counters["checked_steps"] if self.monitor else 0
@@ -139,7 +139,7 @@ class TinyTrainer:
     # --- what InProcessRecovery needs (megatron_patches.recovery.TrainingLoop) -----------
 
     def replay_step(self, step: int) -> dict:
-        from ..checkpoint import set_rng_state
+        from ..seams.rng import set_rng_state
 
         saved_step, microbatches, rng = self._step_inputs
         assert saved_step == step, f"replay of step {step} but the last step run was {saved_step}"
@@ -153,7 +153,7 @@ class TinyTrainer:
         return {**verdict, "bad_samples": sorted({i for part in every for i in part})}
 
     def load_checkpoint(self, path: str) -> int:
-        from ..checkpoint import load_checkpoint
+        from .checkpoints import load_checkpoint
 
         common = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         self.sampler.load_state_dict(common["sampler"])
@@ -190,7 +190,7 @@ class TinyTrainer:
                 module.hidden_dropout = 0.0
 
     def save(self, step: int, healthy: bool) -> None:
-        from ..checkpoint import save_checkpoint
+        from .checkpoints import save_checkpoint
 
         extra = {"sampler": self.sampler.state_dict(),
                  "monitor": self.monitor.state_dict() if self.monitor is not None else None}

@@ -1,5 +1,6 @@
 """Every random-number generator a training step draws from, as one value to save and restore
-(checkpoints, fault scenes, replays). Needs megatron-core for its CUDA RNG tracker."""
+(checkpoints, fault scenes, replays, in-memory snapshots). A seam: it reads megatron-core's
+CUDA RNG tracker."""
 
 from __future__ import annotations
 
