@@ -16,8 +16,10 @@ from dataclasses import dataclass, replace
 
 import pytest
 
+from conftest import run_packaged_loop
 from test_megatron_lm import (  # noqa: F401 (loop_kind, megatron_lm_checkout: fixtures)
-    guard_env, incidents, iterations, loop_kind, make_loop, megatron_lm_checkout, rollback_run)
+    ITERATION_LINE, TINY, _packaged_loop_available, guard_env, incidents, iterations, loop_kind, make_loop,
+    megatron_lm_checkout, rollback_run)
 
 pytestmark = pytest.mark.multiproc
 
@@ -107,24 +109,19 @@ def test_matrix_forward_nan_with_megatrons_check_on(loop_kind, request, tmp_path
     _forward_nan(loop_kind, request, tmp_path, name, "stock")
 
 
-# Rollbacks under TP are left out: the resumed job skips the incident iterations through Megatron's
-# dummy_train_step, which reads a batch on tensor-parallel rank 0 only and broadcasts it the way
-# pretrain_gpt.py's get_batch does; the test runner's dataset is read on every TP rank
-# (megatron_patches/testing/gpt_loop.py), so the broadcast finds no partner ("Received data size
-# doesn't match expected size", measured on tp2). A runner issue, not the guard's; see docs/megatron_lm.md.
-ROLLBACK_LAYOUTS = sorted(name for name in LAYOUTS if not name.startswith("tp2"))
+ROLLBACK_LAYOUTS = sorted(LAYOUTS)
 
 
 def _rollback(loop_kind, request, tmp_path, monkeypatch, name: str, check: str) -> None:
-    """Rank 1's own gradient NaN at iterations 3 and 4: a skip, then a rollback (exit 84); the
-    launcher's second attempt resumes from the healthy checkpoint of iteration 2, skips 3-4 and
-    trains 5-6."""
+    """Rank 1's own gradient NaN at iterations 3 and 4: a skip, then a rollback (exit 84, recovery
+    mode ``restart``); the launcher's second attempt resumes from the healthy checkpoint of
+    iteration 2, skips 3-4 through Megatron's dummy_train_step and trains 5-6."""
     layout = LAYOUTS[name]
     loop = _loop(loop_kind, request, tmp_path, layout)
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # guard_env copies the environment
     param = f"decoder.layers.{layout.layer}.mlp.linear_fc1.weight"
     first, second = rollback_run(loop, tmp_path, f"nan:step=3,count=2,rank=1,phase=local,param={param}",
-                                 *layout.flags, *CHECKS[check])
+                                 *layout.flags, *CHECKS[check], config={"recovery": {"mode": "restart"}})
     found = incidents(tmp_path)
     assert [(i["step"], i["severity"], i["action"]) for i in found] == [(3, "warning", "skip_step"),
                                                                         (4, "error", "rollback")], found
@@ -147,3 +144,44 @@ def test_an_interleaved_pipeline_resumes_past_the_iterations_a_rollback_skips(lo
 @pytest.mark.parametrize("name", ROLLBACK_LAYOUTS)
 def test_matrix_persistent_nan_is_rolled_back_and_resumed(loop_kind, request, tmp_path, monkeypatch, name, check):
     _rollback(loop_kind, request, tmp_path, monkeypatch, name, check)
+
+
+def test_a_tensor_parallel_job_resumes_past_the_iterations_a_rollback_skips(loop_kind, request, tmp_path,
+                                                                            monkeypatch):
+    """TP2: on the restart Megatron's dummy_train_step reads each skipped batch on tensor-parallel
+    rank 0 and broadcasts it to rank 1. The runner reads and broadcasts the same way in its own
+    steps (megatron_patches/testing/gpt_loop.get_batch, as pretrain_gpt.py does): the broadcast finds
+    its partner, the job resumes and completes. With every TP rank reading its own data it died
+    here ("Received data size doesn't match expected size", gloo)."""
+    _rollback(loop_kind, request, tmp_path, monkeypatch, "tp2", "stock")
+
+
+IN_PROCESS = {"recovery": {"mode": "in_process", "lr_factor": 1, "blacklist": "deterministic", "snapshot_interval": 2}}
+REDONE = re.compile(r"\[megatron_patches\] redone iteration\s+(\d+)/\s*\d+ \| lm loss: ([^ |]+)")
+
+
+@pytest.mark.skipif(not _packaged_loop_available(), reason="megatron-core ships megatron/training from 0.17 on")
+def test_a_tensor_parallel_rollback_in_process_redoes_the_iterations_on_the_batches_they_read(tmp_path):
+    """TP2, the packaged loop, 8 iterations, rank 1's fc1 gradient NaN at 5 and 6: a skip, then a
+    rollback in the same processes to the snapshot of iteration 2 (certified by the clean check of
+    3). Tensor-parallel rank 1 has no data iterator (it receives each batch by broadcast), which
+    the batch tape allows: the redone iterations 3 and 4 log the losses they logged the first time,
+    and the job completes without a restart."""
+    env = {**guard_env(tmp_path, inject=["nan:step=5,count=2,rank=1,phase=local,"
+                                         "param=decoder.layers.1.mlp.linear_fc1.weight"], **IN_PROCESS),
+           "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    ckpt = tmp_path / "ckpt"
+    code, output = run_packaged_loop(env, [*TINY, *TP2, "--train-iters", "8", "--save", str(ckpt), "--load", str(ckpt),
+                                           "--save-interval", "100"])
+    assert code == 0, output[-6000:]
+    assert "stopping with exit code" not in output
+    found = incidents(tmp_path)
+    assert [(i["step"], i["action"]) for i in found] == [(5, "skip_step"), (6, "rollback")]
+    assert found[1]["rolled_back_to"] == 2 and found[1]["checkpoint"] == "in-memory snapshot"
+    first = {}  # Megatron's own line of each iteration, the first time (a redone one is logged by the guard)
+    for line in output.splitlines():
+        if (m := ITERATION_LINE.search(line)) and "redone" not in line and int(m.group(1)) in (3, 4):
+            first.setdefault(int(m.group(1)), re.search(r"lm loss: ([^ |]+)", line).group(1))
+    redone = {int(i): loss for i, loss in REDONE.findall(output)}
+    assert sorted(redone) == [3, 4, 5, 6] and {i: redone[i] for i in (3, 4)} == first, (first, redone)
+    assert sorted(iterations(output)) == list(range(1, 9))

@@ -10,10 +10,17 @@ providers, so the real loop runs in CI without a checkout:
   megatron-core's mixture-of-experts layers (router, token dispatcher, experts, shared experts,
   ``--moe-layer-freq``), built by megatron-core's own block spec as ``pretrain_gpt.py`` does;
 - :func:`datasets_provider`: :class:`CountingDataset`, deterministic token sequences whose next
-  token is predictable (so the loss falls), built on every rank (no broadcast needed);
+  token is predictable (so the loss falls). As with ``pretrain_gpt.py``, only tensor-parallel rank
+  0 of each pipeline stage reads data: Megatron builds the loaders there alone (the provider is
+  not marked ``is_distributed``), and the other TP ranks' iterators are None;
 - :func:`forward_step`: one micro-batch through the model, the loss as (sum, token count) the way
   the schedules expect it, and Megatron's NaN/Inf loss check when
-  ``--check-for-nan-in-loss-and-grad`` is on (the default), as a stock script does it.
+  ``--check-for-nan-in-loss-and-grad`` is on (the default), as a stock script does it. Its batch
+  comes as ``pretrain_gpt.py``'s ``get_batch`` makes it (:func:`get_batch`): nothing on a middle
+  pipeline stage; elsewhere TP rank 0 reads and megatron-core's ``get_batch_on_this_tp_rank``
+  broadcasts what the stage needs to the other TP ranks; then this CP rank's part. Megatron's
+  ``dummy_train_step`` (the iterations a resumed job skips) reads and broadcasts the same way, so
+  every TP layout's collectives agree there too.
 
 :func:`run` calls ``megatron.training.pretrain`` with them, in whichever calling convention the
 installed release has (0.17: arguments parsed inside ``pretrain``; 0.18+: a config container built
@@ -24,7 +31,7 @@ megatron_patches.apply`` before the loop starts.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -33,9 +40,14 @@ class CountingDataset(torch.utils.data.Dataset):
     """Sample ``i`` is the sequence ``start, start + step, ...`` (mod the vocabulary) with ``start``
     and ``step`` drawn from ``i`` alone: the same samples on every rank and after every restart."""
 
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int):
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int,
+                 attention_mask: bool = False):
         self.num_samples, self.seq_length = int(num_samples), int(seq_length)
         self.vocab_size, self.seed = int(vocab_size), int(seed)
+        # Megatron-LM broadcasts a dataloader mask across TP ranks unless told there is none
+        # (--no-create-attention-mask-in-dataloader): the causal one, True where masked out.
+        self.attention_mask = (torch.triu(torch.ones(1, self.seq_length, self.seq_length), diagonal=1).bool()
+                               if attention_mask else None)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -45,12 +57,15 @@ class CountingDataset(torch.utils.data.Dataset):
         start = int(torch.randint(0, self.vocab_size, (1,), generator=generator))
         step = int(torch.randint(1, 8, (1,), generator=generator))
         sequence = (start + step * torch.arange(self.seq_length + 1)) % self.vocab_size
-        return {
+        sample = {
             "tokens": sequence[:-1].long(),
             "labels": sequence[1:].long(),
             "loss_mask": torch.ones(self.seq_length, dtype=torch.float32),
             "position_ids": torch.arange(self.seq_length, dtype=torch.long),
         }
+        if self.attention_mask is not None:
+            sample["attention_mask"] = self.attention_mask
+        return sample
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Any = None,
@@ -106,15 +121,13 @@ def datasets_provider(train_val_test_num_samples, vp_stage: Any = None):
 
     args = get_args()
     extra = (TRAIN_HEADROOM_BATCHES * args.global_batch_size, 0, 0)
+    mask = bool(getattr(args, "create_attention_mask_in_dataloader", False))
     return tuple(
-        CountingDataset(max(int(n), 1) + more, args.seq_length, args.padded_vocab_size, args.seed + split)
+        CountingDataset(max(int(n), 1) + more, args.seq_length, args.padded_vocab_size, args.seed + split,
+                        attention_mask=mask)
         if n else None
         for split, (n, more) in enumerate(zip(train_val_test_num_samples, extra))
     )
-
-
-# Every rank builds its own (identical) dataset: nothing is broadcast across tensor-parallel ranks.
-datasets_provider.is_distributed = True
 
 
 def _loss(loss_mask: torch.Tensor, output: torch.Tensor):
@@ -148,11 +161,68 @@ def _on_this_context_parallel_rank(batch: dict) -> dict:
     return get_batch_on_this_cp_rank(batch)
 
 
+def _stage_flags(vp_stage: Any) -> dict:
+    """First / last pipeline stage of the model chunk of virtual stage ``vp_stage`` (None: no
+    interleaving), and whether multi-token prediction runs there."""
+    from megatron.core import parallel_state
+
+    where = {"ignore_virtual": vp_stage is None, "vp_stage": vp_stage}
+    flags = {"is_pipeline_first_stage": parallel_state.is_pipeline_first_stage(**where),
+             "is_pipeline_last_stage": parallel_state.is_pipeline_last_stage(**where), "mtp_on_this_rank": False}
+    from megatron.training import get_args
+
+    mtp_layers = getattr(get_args(), "mtp_num_layers", None)
+    if mtp_layers:
+        from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
+
+        flags["mtp_on_this_rank"] = bool(mtp_on_this_rank(mtp_num_layers=mtp_layers, **where))
+    return flags
+
+
+def _read_on_tp_rank_zero(data_iterator, flags: dict) -> dict:
+    """The micro-batch read by tensor-parallel rank 0 and broadcast by megatron-core's
+    ``get_batch_on_this_tp_rank`` (``megatron.core.utils``, the call Megatron's own
+    ``dummy_train_step`` makes) to the other TP ranks, which receive it into tensors of the
+    configured micro-batch and sequence shapes."""
+    from megatron.core import parallel_state, utils
+    from megatron.training import get_args
+
+    if not hasattr(utils, "get_batch_on_this_tp_rank"):  # 0.17, 0.18 (not run here): the iterator form
+        from megatron.training.utils import get_batch_on_this_tp_rank as older
+
+        return older(data_iterator, mtp_on_this_rank=flags["mtp_on_this_rank"])
+    args = get_args()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    batch = next(data_iterator) if tp_rank == 0 else {}
+    return utils.get_batch_on_this_tp_rank(
+        batch, has_cu_seqlens=False, is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        broadcast_src_rank=parallel_state.get_tensor_model_parallel_src_rank(),
+        broadcast_group=parallel_state.get_tensor_model_parallel_group(),
+        cp_size=args.context_parallel_size, tp_rank=tp_rank, micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length, pipeline_model_parallel_size=args.pipeline_model_parallel_size, **flags)
+
+
+def get_batch(data_iterator, vp_stage: Any = None) -> Optional[dict]:
+    """This rank's micro-batch as ``pretrain_gpt.py`` gets it: None on a middle pipeline stage
+    (it reads nothing), else TP rank 0's batch broadcast over the TP group
+    (:func:`_read_on_tp_rank_zero`), then this CP rank's part. Where a stage does not need a
+    tensor (tokens past the first stage, labels before the last), it is None."""
+    flags = _stage_flags(vp_stage)
+    if not (flags["is_pipeline_first_stage"] or flags["is_pipeline_last_stage"] or flags["mtp_on_this_rank"]):
+        return None
+    return _on_this_context_parallel_rank(_read_on_tp_rank_zero(data_iterator, flags))
+
+
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
-    """One micro-batch: tokens in, per-token loss out, with the loss function to reduce it."""
-    batch = _on_this_context_parallel_rank(next(data_iterator))
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    loss_mask = batch["loss_mask"]
+    """One micro-batch: tokens in, per-token loss out, with the loss function to reduce it. The
+    attention mask stays the model's own causal one (the dataloader's, where there is one, is
+    the same mask)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage")) or {}
+    output = model(batch.get("tokens"), batch.get("position_ids"), None, labels=batch.get("labels"))
+    loss_mask = batch.get("loss_mask")
     return output, lambda output_tensor: _loss(loss_mask, output_tensor)
 
 
