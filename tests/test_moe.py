@@ -11,6 +11,7 @@ expert-DP2 on 4 ranks.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -91,9 +92,9 @@ def test_backward_origin_is_given_only_when_the_forward_pass_stayed_finite():
     assert forward["ranks"] == [0] and backward is None
 
 
-def _part(rank: int, dp: int, ep: int, edp: int, origin: bool) -> dict:
-    return {"ranks": {"global": rank, "tp": 0, "pp": 0, "dp": dp, "cp": 0, "ep": ep, "edp": edp, "vpp": 0},
-            "origin": origin}
+def _part(rank: int, dp: int, ep: int, edp: int, origin: bool) -> findings.RankReport:
+    return findings.RankReport(ranks={"global": rank, "tp": 0, "pp": 0, "dp": dp, "cp": 0, "ep": ep, "edp": edp,
+                                      "vpp": 0}, origin=origin)
 
 
 def test_ranks_of_one_expert_parallel_group_count_as_one_origin():
@@ -324,3 +325,78 @@ def test_experts_beside_tensor_parallel_are_named_and_the_guards_norm_is_megatro
     for h in history:
         if h["step"] in printed:
             assert round(h["total_norm"], 3) == printed[h["step"]], (h, printed)
+
+
+# --- experts split over expert-tensor-parallel ranks (issue 39) ----------------------------------
+
+ETP = ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-token-dispatcher-type", "alltoall")
+"""TP2 x DP2 on 4 ranks, EP2, no ``--expert-tensor-parallel-size``: Megatron's default for MoE, the
+tensor-parallel size (ETP 2, expert-DP 1). Expert-TP rank is fastest, then EP: rank 3 is etp 1,
+ep 1, edp 0 and holds the second half of experts 2 and 3 (its local experts 0 and 1)."""
+ETP_SHARD = f"nan:step=3,rank=3,phase=local,param={EXPERT_FC1.format(k=0)}"
+
+
+@needs_packaged_loop
+@pytest.mark.multiproc
+@pytest.mark.parametrize("ep, expected", [
+    ("2", {"expert": {"global": 2, "local": 0}, "ranks": {"ep": 1, "edp": 0, "etp": 1}}),
+    # EP1: expert-DP 2, rank 3's expert gradient is reduced with rank 1's (etp 1, edp 0) before the check.
+    ("1", {"expert": {"global": 0, "local": 0}, "ranks": {"ep": 0, "edp": 1, "etp": 1}}),
+], ids=["ep2-edp1", "ep1-edp2"])
+def test_an_expert_tensor_parallel_shard_is_named_with_its_expert_and_ranks_and_the_norm_is_megatrons(
+        tmp_path, ep, expected):
+    """A NaN in rank 3's slice of its local expert 0: named with the global and local expert, its
+    ep, edp and etp, and the slice's shape; the origin taken before the expert-DP reduction (rank 3
+    alone). On the other steps the guard's own total norm is the grad norm Megatron printed. The
+    alltoall dispatcher gathers pieces of different lengths over the expert-TP group (the CPU
+    runtime pads them for gloo)."""
+    proc = moe_run(tmp_path, *ETP, "--expert-model-parallel-size", ep, "--train-iters", "4", tensor_parallel=True,
+                   drill=ETP_SHARD, nproc=4)
+    assert re.search(r"expert_tensor_parallel_size \.+ 2\b", proc.stdout)  # Megatron's default: ETP = TP
+    [incident] = incidents(tmp_path)
+    assert (incident["step"], incident["severity"], incident["origin_ranks"]) == (3, "warning", [3])
+    first = incident["first"]
+    assert first["name"] == EXPERT_FC1.format(k=0) and first["expert"] == expected["expert"]
+    assert {k: first["ranks"][k] for k in ("global", "tp", "ep", "edp", "etp")} == \
+        {"global": 3, "tp": 1, **expected["ranks"]}
+    assert first["shape"] == [128, 64]  # this rank's half of the expert's [256, 64] linear_fc1 weight
+    assert [p["ranks"]["global"] for p in incident["pre_reduction"]] == [3]
+    history = [json.loads(line) for line in (tmp_path / "reports" / "grad_history.jsonl").read_text().splitlines()]
+    printed = {step: float(line.split("grad norm: ")[1].split()[0])
+               for step, line in iterations(proc.stdout).items() if "grad norm: " in line}
+    assert sorted(printed) == [1, 2, 4] and {h["step"] for h in history} >= {1, 2, 4}
+    for h in history:
+        if h["step"] in printed:
+            assert round(h["total_norm"], 3) == printed[h["step"]], (h, printed)
+
+
+@needs_packaged_loop
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_guarded_expert_tensor_parallel_run_equals_an_unguarded_one_bit_for_bit(tmp_path):
+    """TP2 x EP2 with ETP 2 on 4 ranks, 20 iterations: every loss and grad norm Megatron prints and
+    every bit of every rank's weights and optimizer state after every iteration are the same with
+    the guard and without it (tests/test_served_norm.py)."""
+    from test_served_norm import _guarded_equals_unguarded
+
+    _guarded_equals_unguarded(tmp_path, (*MOE, *ETP), nproc=4)
+
+
+@needs_packaged_loop
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_persistent_fault_in_an_expert_tensor_parallel_shard_rolls_back_and_the_job_completes(tmp_path,
+                                                                                              monkeypatch):
+    """The ETP 2 layout above, rank 3's expert shard NaN at iterations 3 and 4, recovery by a
+    restart: exit 84 at 4, iteration 2's torch_dist checkpoint (each expert's slices on their
+    expert-TP ranks) loaded, 3 and 4 skipped through Megatron's dummy_train_step, 5 and 6 trained."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # guard_env copies the environment
+    drill = ETP_SHARD.replace("step=3,", "step=3,count=2,")
+    first, second = rollback_run(Loop(None, nproc=4), tmp_path, drill, *MOE, *ETP,
+                                 config={"recovery": {"mode": "restart"}})
+    found = incidents(tmp_path)
+    assert [(i["step"], i["severity"], i["action"]) for i in found] == [(3, "warning", "skip_step"),
+                                                                        (4, "error", "rollback")]
+    assert all(i["first"]["expert"] == {"global": 2, "local": 0} and i["first"]["ranks"]["etp"] == 1 for i in found)
+    assert re.search(r"successfully loaded checkpoint from .* at iteration\s+2\b", second), second[-4000:]
+    assert sorted(iterations(second)) == [5, 6]
