@@ -191,18 +191,24 @@ def moe_run(tmp_path: Path, *extra: str, drill: str | None = None, nproc: int = 
 
 @needs_packaged_loop
 @pytest.mark.multiproc
-def test_a_clean_expert_parallel_job_trains_guarded_and_gets_megatrons_own_norm(tmp_path):
+@pytest.mark.parametrize("layout, nproc", [
+    ((), 2),
+    # TP2 x EP2 with expert tensor parallel 2 (Megatron's default under TP), 4 ranks; 28 s here.
+    pytest.param(("--tensor-model-parallel-size", "2", "--sequence-parallel"), 4, marks=pytest.mark.slow),
+], ids=["ep2", "tp2-ep2-etp2"])
+def test_a_clean_expert_parallel_job_trains_guarded_and_gets_megatrons_own_norm(tmp_path, layout, nproc):
     """EP2, bf16, distributed optimizer, alltoall dispatcher, 8 iterations, ``serve_norm: true``: no
     incident, and on every step the norm the guard served equals what Megatron's own get_grad_norm
     gives for the same dense and expert gradients (to float32 rounding; by default Megatron computes
     its own, tests/test_served_norm.py)."""
     audit = tmp_path / "audit"
-    proc = moe_run(tmp_path, "--train-iters", "8", "--bf16", "--use-distributed-optimizer",
-                   "--moe-token-dispatcher-type", "alltoall", "--out", str(audit), serve_norm=True,
+    proc = moe_run(tmp_path, "--train-iters", "8", "--bf16", "--use-distributed-optimizer", *layout,
+                   "--moe-token-dispatcher-type", "alltoall", "--out", str(audit), serve_norm=True, nproc=nproc,
+                   tensor_parallel=bool(layout),
                    prefix=(str(REPO / "tests" / "norm_audit.py"), "--run-module", "megatron_patches.testing.pretrain_cpu"))
     assert incidents(tmp_path) == []
     assert sorted(iterations(proc.stdout)) == list(range(1, 9))
-    for rank in (0, 1):
+    for rank in range(nproc):
         audit_of_rank = json.loads((audit / f"norm_audit.rank{rank}.json").read_text())
         assert audit_of_rank["stock_calls"] == []  # every norm of the run was the guard's
         served = audit_of_rank["served"]
