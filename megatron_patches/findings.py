@@ -9,17 +9,22 @@ the fault entered and builds the incident once (:func:`assemble`).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from . import moe_routing, naming
+from . import incident_text, moe_routing, naming
 from .decisions import Decision
 from .detectors import CheckContext
-from .incidents import Incident, ParamFinding, finite_or_none
+from .incidents import Incident, ParamFinding, finite_or_none, first_of
 
 _BUILT_IN_KINDS = ("nan", "inf", "overflow", "magnitude")
+
+RecordFields = Callable[[list["RankReport"], dict], tuple[dict, str]]
+"""Rank 0: the record's fields from Megatron's loss check and rerun in the reports, and a note for
+the message (``Seams.record_fields``); given the fields found so far."""
 
 
 def _picked(config: Any, detectors: list, ctx: CheckContext, norm_list: list, max_list: Optional[list],
@@ -70,24 +75,47 @@ def local_findings(config: Any, detectors: list, ctx: CheckContext, maxabs: Opti
     return findings
 
 
-def first_name(findings: list[ParamFinding]) -> Optional[str]:
-    """The finding nearest the output (where backward met the fault first)."""
-    return max(findings, key=lambda f: f.order).name if findings else None
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's part of an incident, as it travels to rank 0 (``gather_object`` pickles it, so
+    its fields are plain values): made once by the rank's slow path, read by rank 0's
+    :func:`~megatron_patches.respond.decide`."""
+
+    ranks: dict[str, int]
+    """``{"global", "tp", "pp", "dp", "cp", "ep", "edp", "vpp"}`` of the rank (:func:`~megatron_patches.naming.rank_info`)."""
+    findings: tuple[ParamFinding, ...] = ()
+    """Its parameters whose gradients tripped a check (after the data-parallel reduction)."""
+    pre_reduction: tuple[ParamFinding, ...] = ()
+    """Its own gradients found non-finite before the reduction."""
+    origin: bool = False
+    """Whether the fault entered on this rank (its own gradients, before the reduction)."""
+    batch: tuple[int, ...] = ()
+    """The dataset indices it fed in the step."""
+    injected: tuple[dict, ...] = ()
+    """What the drills did on it in the step (:meth:`~megatron_patches.inject.Injector.fired_at`)."""
+    megatron: Optional[dict] = None
+    """Megatron's loss check and rerun on it (``RerunWatch.part``), None when they said nothing."""
+    moe_routing: Optional[dict] = None
+    """Tokens per expert and router finiteness on it (:meth:`~megatron_patches.moe_routing.RoutingWatch.share`)."""
+
+    @property
+    def rank(self) -> int:
+        """Its global rank."""
+        return self.ranks["global"]
+
+    def reports(self) -> bool:
+        """Whether it goes to rank 0 (:func:`~megatron_patches.collectives.gather_reports`): the rank
+        found something, the fault entered there, Megatron rejected something there, a drill fired
+        there, or a router's probabilities went non-finite there. A rank with none of these adds
+        nothing to the record, and neither it nor its scene is needed."""
+        routing = self.moe_routing or {}
+        return bool(self.findings or self.pre_reduction or self.origin or self.megatron or self.injected
+                    or any(not seen["router_finite"] for seen in routing.values()))
 
 
-def reports(part: dict) -> bool:
-    """Whether this rank's part of an incident goes to rank 0 (:func:`~megatron_patches.collectives.gather_reports`):
-    it found something, the fault entered here, Megatron rejected something here, a drill fired
-    here, or a router's probabilities went non-finite here. A rank with none of these adds nothing
-    to the record, and neither it nor its scene is needed."""
-    routing = part.get("moe_routing") or {}
-    return bool(part["findings"] or part["pre_reduction"] or part["origin"] or part.get("megatron")
-                or part["injected"] or any(not seen["router_finite"] for seen in routing.values()))
-
-
-def origins_of(everyone: list) -> tuple[list[int], int]:
+def origins_of(everyone: list[RankReport]) -> tuple[list[int], int]:
     """(global ranks whose own gradients were non-finite before the reduction, how many
-    independent replicas they are) from every rank's gathered part.
+    independent replicas they are) from the reports rank 0 received.
 
     Without expert parallelism a replica is a data-parallel rank: its tensor- and pipeline-parallel
     ranks exchange activations within the step, so a fault on one reaches the others before any
@@ -95,27 +123,27 @@ def origins_of(everyone: list) -> tuple[list[int], int]:
     all-to-all, so one fault reaches all of them in the same step (an expert's NaN poisons the
     other ranks' losses, a NaN in its input gradient goes back to the rank that sent the tokens):
     there they count once, as their expert-data-parallel rank (:func:`replica_of`)."""
-    origins = sorted(part["ranks"]["global"] for part in everyone if part["origin"])
+    origins = sorted(report.rank for report in everyone if report.origin)
     replica = replica_of(everyone)
     return origins, len({replica.get(r, r) for r in origins})
 
 
-def _expert_parallel(everyone: list) -> bool:
-    return any(part["ranks"].get("ep", 0) > 0 for part in everyone)
+def _expert_parallel(everyone: list[RankReport]) -> bool:
+    return any(report.ranks.get("ep", 0) > 0 for report in everyone)
 
 
-def replica_of(everyone: list) -> dict[int, int]:
+def replica_of(everyone: list[RankReport]) -> dict[int, int]:
     """Global rank -> the independent replica it belongs to (see :func:`origins_of`)."""
     key = "edp" if _expert_parallel(everyone) else "dp"
-    return {part["ranks"]["global"]: part["ranks"].get(key, part["ranks"]["dp"]) for part in everyone}
+    return {report.rank: report.ranks.get(key, report.ranks["dp"]) for report in everyone}
 
 
-def _one_expert_parallel_group(everyone: list, origins: tuple) -> bool:
+def _one_expert_parallel_group(everyone: list[RankReport], origins: tuple) -> bool:
     """Whether several origin ranks are all of one expert-parallel group (EP > 1)."""
     if len(origins) < 2 or not _expert_parallel(everyone):
         return False
     replica = replica_of(everyone)
-    stage = {part["ranks"]["global"]: part["ranks"].get("pp") for part in everyone}
+    stage = {report.rank: report.ranks.get("pp") for report in everyone}
     return len({(replica.get(r), stage.get(r)) for r in origins}) == 1
 
 
@@ -137,23 +165,24 @@ def describe(kind: str, findings: list[ParamFinding], total_norm: float,
                f"{sorted({f.ranks['global'] for f in findings})}"
     if not findings:
         return f"{kind} in gradients (total norm {total_norm:.4g})"
-    first = max(findings, key=lambda f: f.order)
+    first = first_of(findings)
     ranks = sorted({f.ranks["global"] for f in findings})
     return (f"{what} first at {first.name} (layer {first.layer}{_expert_note(first)}, rank {first.ranks['global']}); "
             f"{len({f.name for f in findings})} parameter(s) on rank(s) {ranks}")
 
 
-def assemble(ctx: CheckContext, everyone: list, kinds: list, extra: dict, decision: Decision,
-             batch_info: dict, megatron_fields: Callable[[list, dict], tuple[dict, str]], checked: int,
+def assemble(ctx: CheckContext, everyone: list[RankReport], decision: Decision, *, kinds: list, extra: dict,
+             batch_info: Mapping[str, Any], record_fields: RecordFields, checked: int, world: Mapping[str, int],
              cause: Optional[Any] = None) -> Incident:
-    """Rank 0: the incident from the gathered parts of the ranks that report (:func:`reports`) and
-    the decision on it. ``checked``: gradients checked on every rank together. ``extra``:
-    the fields the detectors add to the record. ``megatron_fields``: the fields and message note
-    from Megatron's loss check and rerun (``Seams.record_fields``). ``cause``: an event that made the step an
-    incident beside its gradients (``kind``, ``why``, ``record_field()``: the loss scaler's); it
-    leads the kinds and the message."""
-    found = [f for part in everyone for f in part["findings"]]
-    before = [f for part in everyone for f in part["pre_reduction"]]
+    """Rank 0: the incident from the reports of the ranks that report (:meth:`RankReport.reports`)
+    and the decision on it. ``kinds``: what the detectors flagged; ``extra``: the fields they add to
+    the record. ``record_fields``: the fields and message note from Megatron's loss check and
+    rerun (``Seams.record_fields``). ``checked``: gradients checked on every rank together.
+    ``world``: the job's layout (:func:`~megatron_patches.naming.world_layout`). ``cause``: an
+    event that made the step an incident beside its gradients (``kind``, ``why``,
+    ``record_field()``: the loss scaler's); it leads the kinds and the message."""
+    found = [f for report in everyone for f in report.findings]
+    before = [f for report in everyone for f in report.pre_reduction]
     reasons = {r for f in found + before for r in f.reasons}
     found_kinds = [k for k in _BUILT_IN_KINDS if k in reasons or (k == "magnitude" and "magnitude_total" in reasons)]
     found_kinds += [k for k in kinds if k not in found_kinds]
@@ -165,7 +194,7 @@ def assemble(ctx: CheckContext, everyone: list, kinds: list, extra: dict, decisi
         extra[cause.kind] = cause.record_field()
     # The origin leads: a fault that entered a rank's own gradient before the reduction is
     # named there (host and device of that rank), not where the reduction carried it.
-    origin = max(before, key=lambda f: f.order) if before else None
+    origin = first_of(before)
     message = describe(found_kinds[1] if cause is not None and len(found_kinds) > 1 else kind, found,
                        ctx.total_norm, origin=origin)
     if cause is not None:
@@ -173,34 +202,35 @@ def assemble(ctx: CheckContext, everyone: list, kinds: list, extra: dict, decisi
     if before:
         extra["pre_reduction"] = [f.as_record() for f in before]
     if checked and sum(1 for f in found if f.nan or f.inf) >= checked:
-        # Backward spreads a broken forward pass to every gradient; the tensor nearest the
-        # output comes first in backward order, but it is where the fault arrived last.
         extra["all_gradients_nonfinite"] = True
-        message += ("; every gradient is non-finite: the loss or an activation went non-finite in the "
-                    "forward pass, so the output layer named first is not the suspect")
-    routing = moe_routing.record_field([(part["ranks"]["global"], part["moe_routing"])
-                                        for part in everyone if part.get("moe_routing")])
+        message += incident_text.ALL_NONFINITE_NOTE
+    routing = moe_routing.record_field([(report.rank, report.moe_routing) for report in everyone if report.moe_routing])
     if routing is not None:
         extra["moe_routing"] = routing
-    fields, note = megatron_fields(everyone, extra)  # Megatron's loss check and rerun
+    fields, note = record_fields(everyone, extra)  # Megatron's loss check and rerun
     extra.update(fields)
-    message += note
-    if decision.origins:
-        dp_of = {part["ranks"]["global"]: part["ranks"]["dp"] for part in everyone}
-        coupled = _one_expert_parallel_group(everyone, decision.origins)
-        reached = {dp_of.get(f.ranks["global"], f.ranks["global"]) for f in found + before}
-        reached |= {dp_of.get(r, r) for r in decision.origins}
-        world = naming.world_layout()
-        extra["replicas_reached"] = len(reached)
-        message += (f"; entered on rank(s) {list(decision.origins)} before the data-parallel reduction, "
-                    f"reached {len(reached)} of {world['dp'] * world['cp']} data-parallel replica(s)")
-        if coupled:
-            message += ("; those ranks are one expert-parallel group, whose all-to-all carries a fault "
-                        "to every member within the step: counted as one origin")
+    message += note + _origins_note(everyone, decision.origins, found + before, world, extra)
     return Incident(
         step=ctx.step, decision=decision, kind=kind, kinds=tuple(found_kinds), message=message,
         params=tuple(found), first=origin, ranks_affected=tuple(f.ranks["global"] for f in found),
-        world=naming.world_layout(), total_norm=finite_or_none(ctx.total_norm),
-        batch=MappingProxyType({**batch_info, "samples": sorted({i for part in everyone for i in part["batch"]})}),
-        injected=tuple(e for part in everyone for e in part["injected"]),
+        world=dict(world), total_norm=finite_or_none(ctx.total_norm),
+        batch=MappingProxyType({**batch_info, "samples": sorted({i for report in everyone for i in report.batch})}),
+        injected=tuple(e for report in everyone for e in report.injected),
         origin_ranks=tuple(decision.origins), extra=MappingProxyType(extra))
+
+
+def _origins_note(everyone: list[RankReport], origins: tuple, seen: list[ParamFinding], world: Mapping[str, int],
+                  extra: dict) -> str:
+    """The message's note on the origin ranks and the replicas the fault reached (sets
+    ``replicas_reached`` in ``extra``); nothing without origins."""
+    if not origins:
+        return ""
+    dp_of = {report.rank: report.ranks["dp"] for report in everyone}
+    reached = {dp_of.get(f.ranks["global"], f.ranks["global"]) for f in seen} | {dp_of.get(r, r) for r in origins}
+    extra["replicas_reached"] = len(reached)
+    note = (f"; entered on rank(s) {list(origins)} before the data-parallel reduction, "
+            f"reached {len(reached)} of {world['dp'] * world['cp']} data-parallel replica(s)")
+    if _one_expert_parallel_group(everyone, origins):
+        note += ("; those ranks are one expert-parallel group, whose all-to-all carries a fault "
+                 "to every member within the step: counted as one origin")
+    return note

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .incidents import IN_MEMORY
+from .incidents import IN_MEMORY, first_key
 
 
 def ranks_of(param: Optional[dict]) -> dict:
@@ -80,7 +80,8 @@ def _entry(rec: dict) -> Optional[dict]:
     before = [p for p in rec.get("pre_reduction") or [] if isinstance(p, dict)
               and ranks_of(p).get("global") in origins] if isinstance(rec.get("pre_reduction"), list) else []
     if before and ranks_of(first).get("global") not in origins:
-        return max(before, key=lambda p: p.get("order") if isinstance(p.get("order"), int) else -1)
+        return min(before, key=lambda p: first_key(p.get("order") if isinstance(p.get("order"), int) else -1,
+                                                   ranks_of(p).get("global", 0)))
     return first
 
 
@@ -101,43 +102,52 @@ def _routing_text(routing: Any) -> str:
     return "; ".join(said) if said else "every expert got tokens, every router finite"
 
 
-def diagnosis(rec: dict) -> list[str]:
-    """Four lines: what broke, where it entered (the forward pass's first non-finite
-    module when a replay found it), how far it spread, what was done."""
-    lines = [headline(rec)]
+EVERY_GRADIENT_NONFINITE = "every gradient is non-finite"
+ALL_NONFINITE_NOTE = (f"; {EVERY_GRADIENT_NONFINITE}: the loss or an activation went non-finite in the forward "
+                      "pass, so the output layer named first is not the suspect")
+"""What the message adds when every checked gradient was non-finite (``all_gradients_nonfinite``).
+Backward spreads a broken forward pass to every gradient; the tensor nearest the output comes
+first in backward order, but it is where the fault arrived last."""
+
+
+def module_text(origin: dict) -> str:
+    """``module (layer L), expert G (EP rank E)``: where a forward or backward origin is."""
+    layer = origin.get("layer")
+    return (text_of(origin.get("module")) + (f" (layer {layer})" if isinstance(layer, int) else "")
+            + (f", {expert_text(origin['expert'])}" if origin.get("expert") else ""))
+
+
+def _not_the_suspect(first: Optional[dict]) -> str:
+    return f"; {text_of(first.get('name'))}, named first, is not the suspect" if first else ""
+
+
+def _entered(rec: dict) -> str:
+    """The diagnosis's second line: where the fault entered."""
     first = _entry(rec)
+    found_by = "Megatron's rerun in place" if isinstance(rec.get("megatron_rerun"), dict) else "the replay"
     forward = rec.get("forward_origin") if isinstance(rec.get("forward_origin"), dict) else None
+    backward = rec.get("backward_origin") if isinstance(rec.get("backward_origin"), dict) else None
     if forward:
-        layer = forward.get("layer")
-        lines.append(f"  entered at: the forward pass, output of {text_of(forward.get('module'))}"
-                     + (f" (layer {layer})" if isinstance(layer, int) else "")
-                     + (f", {expert_text(forward['expert'])}" if forward.get("expert") else "")
-                     + f" on rank(s) {forward.get('ranks')}, found by "
-                     + ("Megatron's rerun in place" if isinstance(rec.get("megatron_rerun"), dict) else "the replay")
-                     + "; backward carried it to the "
-                     + "gradients" + (f" (first: {text_of(first.get('name'))})" if first else ""))
-    elif isinstance(rec.get("backward_origin"), dict):
-        backward = rec["backward_origin"]
-        layer = backward.get("layer")
-        lines.append(f"  entered at: the backward pass, the gradient into {text_of(backward.get('module'))}"
-                     + (f" (layer {layer})" if isinstance(layer, int) else "")
-                     + (f", {expert_text(backward['expert'])}" if backward.get("expert") else "")
-                     + f" on rank(s) {backward.get('ranks')} (the forward pass stayed finite), found by "
-                     + ("Megatron's rerun in place" if isinstance(rec.get("megatron_rerun"), dict) else "the replay"))
-    elif rec.get("loss_nonfinite") is True:
-        lines.append("  entered at: the forward pass (the loss was non-finite); not located further"
-                     + (f"; {text_of(first.get('name'))}, named first, is not the suspect" if first else ""))
-    elif rec.get("all_gradients_nonfinite") is True:
-        lines.append("  entered at: the forward pass (every gradient is non-finite, so the loss or an activation "
-                     "broke first); without a replay not located further"
-                     + (f"; {text_of(first.get('name'))}, named first, is not the suspect" if first else ""))
-    elif first:
-        lines.append(f"  entered at: {_where(first)}")
-    else:
-        lines.append("  entered at: not localized to a parameter (a model-wide check tripped)")
+        return (f"  entered at: the forward pass, output of {module_text(forward)} on rank(s) {forward.get('ranks')}, "
+                f"found by {found_by}; backward carried it to the gradients"
+                + (f" (first: {text_of(first.get('name'))})" if first else ""))
+    if backward is not None:
+        return (f"  entered at: the backward pass, the gradient into {module_text(backward)} on rank(s) "
+                f"{backward.get('ranks')} (the forward pass stayed finite), found by {found_by}")
+    if rec.get("loss_nonfinite") is True:
+        return "  entered at: the forward pass (the loss was non-finite); not located further" + _not_the_suspect(first)
+    if rec.get("all_gradients_nonfinite") is True:
+        return (f"  entered at: the forward pass ({EVERY_GRADIENT_NONFINITE}, so the loss or an activation "
+                "broke first); without a replay not located further" + _not_the_suspect(first))
+    if first:
+        return f"  entered at: {_where(first)}"
+    return "  entered at: not localized to a parameter (a model-wide check tripped)"
+
+
+def _spread(rec: dict) -> str:
+    """The diagnosis's third line: how far the fault spread."""
     world = rec.get("world") if isinstance(rec.get("world"), dict) else {}
-    size = world.get("size")
-    spread = (f"{_count(rec.get('ranks_affected'))} of {text_of(size)} ranks, "
+    spread = (f"{_count(rec.get('ranks_affected'))} of {text_of(world.get('size'))} ranks, "
               f"{_count(rec.get('params'))} parameter(s)")
     origins = rec.get("origin_ranks") if isinstance(rec.get("origin_ranks"), list) else []
     if origins:
@@ -147,11 +157,12 @@ def diagnosis(rec: dict) -> list[str]:
         reached = reached if isinstance(reached, int) else text_of(replicas)  # older records: the reduction reaches all
         spread = (f"from rank(s) {origins} before the data-parallel reduction to {reached} of "
                   f"{text_of(replicas)} data-parallel replica(s); found after it on {spread}")
-    lines.append(f"  spread: {spread}")
-    routing = _routing_text(rec.get("moe_routing"))
-    if routing:
-        lines.append(f"  routing: {routing}")
-    done = [f"action {text_of(rec.get('action'))}"]
+    return f"  spread: {spread}"
+
+
+def _recovered(rec: dict) -> list[str]:
+    """What the executor did: the replay's verdict, Megatron's rerun, the rollback and restart."""
+    done = []
     replay = rec.get("replay") if isinstance(rec.get("replay"), dict) else None
     if replay and replay.get("verdict"):
         meaning = {"deterministic": "the same batch reproduced it: suspect data or code",
@@ -174,6 +185,12 @@ def diagnosis(rec: dict) -> list[str]:
     if isinstance(rec.get("restart"), int):
         done.append(f"restart {rec['restart']} ({text_of(rec.get('restarts_used'))} rollback(s) used in this job)"
                     + ("; requested, no restart has resumed yet" if rec.get("rollback_pending") else ""))
+    return done
+
+
+def _done(rec: dict) -> str:
+    """The diagnosis's last line: what was done, and what the record holds beside it."""
+    done = [f"action {text_of(rec.get('action'))}", *_recovered(rec)]
     if isinstance(rec.get("blacklisted"), list) and rec["blacklisted"]:
         done.append(f"{len(rec['blacklisted'])} sample(s) blacklisted")
     if isinstance(rec.get("origin_ranks"), list) and rec["origin_ranks"]:
@@ -188,8 +205,15 @@ def diagnosis(rec: dict) -> list[str]:
         done.append(f"scene {rec['scene']}")
     if rec.get("injected"):
         done.append("injected by a drill: " + _drills(rec["injected"]))
-    lines.append("  done: " + "; ".join(done))
-    return lines
+    return "  done: " + "; ".join(done)
+
+
+def diagnosis(rec: dict) -> list[str]:
+    """Four lines: what broke, where it entered (the forward pass's first non-finite
+    module when a replay found it), how far it spread, what was done (a routing line between
+    the last two for a mixture-of-experts record that says something)."""
+    routing = _routing_text(rec.get("moe_routing"))
+    return [headline(rec), _entered(rec), _spread(rec), *([f"  routing: {routing}"] if routing else []), _done(rec)]
 
 
 def _drills(injected: Any) -> str:

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 from . import naming
 from .decisions import Decision, Severity
@@ -79,6 +79,28 @@ class ParamFinding:
         return out
 
 
+def first_key(order: int, rank: int) -> tuple[int, int]:
+    """Where a finding of forward ``order`` on global ``rank`` stands in the rule of :func:`first_of`
+    (smaller first); a record's dicts are ordered with it too (:mod:`~megatron_patches.incident_text`)."""
+    return (-order, rank)
+
+
+def nearest_first(findings: Iterable[ParamFinding]) -> list[ParamFinding]:
+    """``findings`` in the order of :func:`first_of`: the first parameter leads."""
+    return sorted(findings, key=lambda f: first_key(f.order, f.ranks.get("global", 0)))
+
+
+def first_of(findings: Iterable[ParamFinding]) -> Optional[ParamFinding]:
+    """The one rule for an incident's "first parameter": the finding nearest the output (the
+    largest forward ``order``), where backward met the fault first. A tie (the same parameter
+    found on several ranks: tensor-parallel shards, data-parallel replicas; unnamed parameters,
+    which all have order -1) goes to the lowest global rank, then to the finding listed first.
+    The record's ``first`` and the order of its ``params``, the message, the replay's verdict and
+    :attr:`Incident.first_name` all take it from here."""
+    ordered = nearest_first(findings)
+    return ordered[0] if ordered else None
+
+
 def now_iso() -> str:
     t = time.time()
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
@@ -105,8 +127,7 @@ def make_record(
     when it happened (default now)."""
     if severity not in SEVERITIES:
         raise ValueError(f"severity must be one of {SEVERITIES}, got {severity!r}")
-    ordered = sorted(params, key=lambda p: (-p.order, p.ranks.get("global", 0)))
-    as_dicts = [p.as_record() for p in ordered]
+    as_dicts = [p.as_record() for p in nearest_first(params)]
     record = {
         "schema": INCIDENT_SCHEMA,
         "time": time or now_iso(),
@@ -197,10 +218,8 @@ class Incident:
     @property
     def first_name(self) -> Optional[str]:
         """The parameter named first in the record (``record["first"]["name"]``)."""
-        if self.first is not None:
-            return self.first.name
-        ordered = sorted(self.params, key=lambda p: (-p.order, p.ranks.get("global", 0)))
-        return ordered[0].name if ordered else None
+        first = self.first if self.first is not None else first_of(self.params)
+        return first.name if first is not None else None
 
     def record(self, outcome: Optional[Outcome] = None) -> dict[str, Any]:
         """The JSON record (schema ``megatron_patches.incident/1``), a new dict on every call."""

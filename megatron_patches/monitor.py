@@ -6,43 +6,51 @@ per-layer sums, and one host read. Only when a flag is up does the slow path loo
 offending tensors, gather every rank's findings to rank 0 (which writes one incident record)
 and broadcast the decision, so that all ranks act alike and none waits in a collective.
 
-:class:`GradMonitor` holds the run's state and hands each checked step down the pipeline::
+:class:`GradMonitor` is a thin driver: the run's state is one typed
+:class:`~megatron_patches.run_state.RunState` (``monitor.state``), and the monitor hands each
+checked step down the pipeline with it::
 
     hooks -> check (check.CheckStage: vector, all-reduce, verdicts)
-          -> locate (findings: this rank's findings, gathered; rank 0 assembles a frozen Incident)
-          -> respond (decisions.GradePolicy on rank 0, the Decision broadcast)
+          -> locate (slow_path: this rank's RankReport, gathered to rank 0)
+          -> respond (respond.decide on rank 0: grade, assemble a frozen Incident; the Decision broadcast)
           -> publish (publish.Publisher: record made once, scenes, alerts, history)
           -> the executor acts on the Decision (recovery) and hands back an Outcome
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
-import signal
-import weakref
 from typing import Any, NoReturn, Optional, TypeVar
 
 import torch
 
-from . import detectors as detector_plugins
-from . import collectives, inject, naming, scene
+from . import collectives, inject, run_state, slow_path
 from .callbacks import Callback
-from .check import CheckStage, Verdict, resolve_overflow_mode
+from .check import Verdict
 from .collectives import PeerLost
 from .config import Config
 from .decisions import Action, Decision, exit_code
-from .findings import local_findings, reports
-from .incidents import Incident, Outcome
-from .moe_routing import RoutingWatch
-from .protocols import Seams
-from .publish import Publisher
-from .respond import Responder, exit_peer_lost
+from .incidents import Outcome
+from .protocols import PreReduction, Seams
+from .run_state import RunState
 
 log = logging.getLogger("megatron_patches")
 
 T = TypeVar("T")
+
+
+class _OfState:
+    """A monitor attribute that is its run state's: read and written on ``monitor.state``
+    (executors, integrations and seams use these names, :class:`~megatron_patches.protocols.Guard`)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, monitor: Optional["GradMonitor"], owner: type) -> Any:
+        return self if monitor is None else getattr(monitor.state, self.name)
+
+    def __set__(self, monitor: "GradMonitor", value: Any) -> None:
+        setattr(monitor.state, self.name, value)
 
 
 class GradMonitor:
@@ -54,65 +62,28 @@ class GradMonitor:
     :class:`megatron_patches.protocols.Guard` lists.
     """
 
+    # The run's state, by the names executors, integrations and seams use (see RunState for each).
+    config, seams, report_dir = _OfState(), _OfState(), _OfState()
+    drills, model_chunks, rerun, peers = _OfState(), _OfState(), _OfState(), _OfState()
+    detectors, stage, origin, routing, responder, publisher = (_OfState(), _OfState(), _OfState(), _OfState(),
+                                                                _OfState(), _OfState())
+    counters, last_total_norm, checked_norm, last_layer_norms = _OfState(), _OfState(), _OfState(), _OfState()
+    decision, last_incident = _OfState(), _OfState()
+    executor, rollbacks, callbacks = _OfState(), _OfState(), _OfState()
+
     def __init__(self, config: Config, seams: Seams):
         """``seams``: Megatron's side (:class:`megatron_patches.seams.MegatronSeams`)."""
-        self.config = config
-        self.seams = seams
-        # The run's state beside the pipeline, each piece passed down from here. The drills come
-        # first: a bad spec stops the start before anything is made. Poison drills ask the guard
-        # which step and rank a sample is fed on.
-        self.drills = inject.build(config.inject, clock=lambda: (self.upcoming_step(), self.rank))
-        """This run's fault drills (``config.inject``; an injector without specs does nothing)."""
-        self.model_chunks = seams.model_chunks()
-        """The model chunks each optimizer steps, and each DDP bucket group's parameters."""
-        self.rerun = seams.rerun_watch()
-        """Megatron's rerun of a checked step in place: its verdict and trace (:mod:`~megatron_patches.seams.rerun_machine`)."""
-        self.peers = collectives.BoundedGroup(config.response.peer_timeout_s)
-        """The guard's own gloo group for the slow path (made at the first check)."""
-        self._overflow_mode: Optional[str] = None  # resolved at the first check (resolve_overflow_mode)
-        self.detectors = detector_plugins.build(config)
-        self.report_dir = os.path.abspath(config.report_dir)
-        self.stage = CheckStage(config, self.detectors, self.peers, self.model_chunks, seams)
-        self.origin = seams.origin_watch(config.response.origin_check)
-        self.routing = RoutingWatch(self.upcoming_step, lambda step: step % config.check_interval == 0)
-        """Tokens per expert and router finiteness of the step being made (mixture-of-experts)."""
-        self.publisher = Publisher(config, self.report_dir)
-        self.responder = Responder(config, self.detectors, self.peers, seams.record_fields)
-        self._loss_scale = seams.loss_scale_watch(config.detectors.loss_scale)
-        self._step, self._step_set = 0, False  # the step being made, and whether the loop named it
-        self._batch: list[int] = []  # this rank's samples, the fields beside them, their tokens (set_batch)
-        self._batch_info: dict = {}
-        self._batch_tokens: Optional[list] = None
-        self._prepared: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        self._drills_checked = False
-        self.counters = {"checked_steps": 0, "skipped_steps": 0, "incidents": 0, "scaler_overflows": 0,
-                         "injected": 0, "served_norms": 0}
-        self.last_total_norm: Optional[float] = None
-        self.checked_norm: Optional[Any] = None
-        """The last check's total norm, until Megatron's get_grad_norm takes it (served_norm)."""
-        self.last_layer_norms: dict[str, float] = {}
-        """Per-layer gradient norms of the last checked step (keys as in grad_history.jsonl)."""
-        self.decision: Optional[Decision] = None
-        """The last incident's decision, identical on every rank, until the loop takes it."""
-        self.last_incident: Optional[Incident] = None
-        """The last incident as rank 0 assembled it (None on the other ranks)."""
-        self.executor: Optional[Any] = None
-        """The recovery executor (:class:`megatron_patches.protocols.Executor`). Unless it acts in
-        process, the monitor itself ends the job on stop and rollback decisions."""
-        self.rollbacks = 0
-        self.callbacks: list[Callback] = []
-        """The integrations that hear of the run's events (:meth:`add_callback`), in the order added."""
+        self.state: RunState = run_state.build(config, seams)
+        """Everything this run keeps between calls."""
 
     @property
     def overflow_mode(self) -> str:
         """'ieee' or 'saturation'; 'auto' is asked on the rank's own device at the first use."""
-        if self._overflow_mode is None:
-            self._overflow_mode = resolve_overflow_mode(self.config.overflow_mode)
-        return self._overflow_mode
+        return self.state.resolved_overflow_mode()
 
     @overflow_mode.setter
     def overflow_mode(self, mode: str) -> None:  # tests and the saturation drills
-        self._overflow_mode = mode
+        self.state.overflow_mode = mode
 
     @property
     def rank(self) -> int:
@@ -123,37 +94,35 @@ class GradMonitor:
 
     @property
     def step(self) -> int:
-        return self._step
+        return self.state.clock.step
 
     def upcoming_step(self) -> int:
         """The step whose gradients are being made now (before ``prepare_grads`` counts it)."""
-        return self._step + (0 if self._step_set else 1)
+        return self.state.clock.upcoming()
 
     def set_step(self, step: int) -> None:
         """Name the optimizer step about to run (1-based, as Megatron prints iterations).
         Without it the monitor counts ``prepare_grads`` calls itself."""
-        self._step = int(step)
-        self._step_set = True
+        self.state.clock.name(step)
 
     def set_batch(self, sample_indices: list[int], tokens: Optional[list] = None, **info: Any) -> None:
         """The dataset indices this rank feeds in the current step (for incident records), and
         optionally the micro-batch tensors themselves (saved in fault scenes). ``info``: more
         fields for the record's and scene's ``batch``, the same on every rank (Megatron-LM's
         ``iteration`` and ``consumed_train_samples``)."""
-        self._batch = list(sample_indices)
-        self._batch_tokens = tokens
-        self._batch_info = info
+        self.state.batch = run_state.Batch(tuple(sample_indices), tokens, info)
 
     def state_dict(self) -> dict:
         """What a checkpoint carries so a restart keeps its baselines and counters."""
         return {
-            "step": self._step,
+            "step": self.state.clock.step,
             "counters": dict(self.counters),
             "detectors": {d.name: d.state_dict() for d in self.detectors},
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self._step = int(state.get("step", self._step))
+        clock = self.state.clock
+        clock.step = int(state.get("step", clock.step))
         # Counters are totals over the job's life: a rollback in this process must not lower
         # them, a fresh process resuming takes the saved ones.
         for name, value in state.get("counters", {}).items():
@@ -166,34 +135,38 @@ class GradMonitor:
 
     def after_prepare_grads(self, optimizer: Any, found_inf: bool) -> bool:
         """Run after Megatron's ``prepare_grads``; returns True to skip the update."""
-        if not self._drills_checked:  # once, at the first step, when every rank is here
-            self._drills_checked = True
-            inject.refuse_unmatched(self.drills, self.model_chunks.chunks_for(optimizer), self.rank,
-                                    self.seams.current_grads(optimizer, self.stage.entries_for(optimizer)))
-        if not self._step_set:
-            self._step += 1
-        self._step_set = False
-        self._prepared.add(optimizer)
-        step = self._step
+        run = self.state
+        if not run.drills_checked:  # once, at the first step, when every rank is here
+            run.drills_checked = True
+            inject.refuse_unmatched(run.drills, run.model_chunks.chunks_for(optimizer), self.rank,
+                                    run.seams.current_grads(optimizer, run.stage.entries_for(optimizer)))
+        step = run.clock.tick()
+        run.prepared.add(optimizer)
         if found_inf:  # fp16: the loss scaler found an overflow and skips the step
             return self._scaler_overflow(optimizer, step)
-        self._loss_scale.clear()
-        entries = self.stage.entries_for(optimizer)
-        if self.drills:
-            grads = [(e.info.name, e.info.order, g) for e, g in self.seams.current_grads(optimizer, entries) if g is not None]
-            self.counters["injected"] += len(self.drills.apply(step, "grad", self.rank, grads))
-        if step % self.config.check_interval:
+        run.loss_scale.clear()
+        entries = run.stage.entries_for(optimizer)
+        if run.drills:
+            self._drill_grads(optimizer, entries, step)
+        if step % run.config.check_interval:
             return False
         return self._check(optimizer, entries, step)
 
+    def _drill_grads(self, optimizer: Any, entries: list, step: int) -> None:
+        """The phase=grad drills of ``step``, on the gradients the optimizer steps."""
+        run = self.state
+        grads = [(e.info.name, e.info.order, g) for e, g in run.seams.current_grads(optimizer, entries) if g is not None]
+        run.counters["injected"] += len(run.drills.apply(step, "grad", self.rank, grads))
+
     def before_direct_clip(self, optimizer: Any) -> None:
         """``clip_grad_norm`` called without ``prepare_grads`` first: check, zero bad grads."""
-        if optimizer in self._prepared:
-            self._prepared.discard(optimizer)
+        run = self.state
+        if optimizer in run.prepared:
+            run.prepared.discard(optimizer)
             return
-        entries = self.stage.entries_for(optimizer)
-        if self._check(optimizer, entries, self._step, action=Action.ZERO_GRADS):
-            for _, grad in self.seams.current_grads(optimizer, entries):
+        entries = run.stage.entries_for(optimizer)
+        if self._check(optimizer, entries, run.clock.step, action=Action.ZERO_GRADS):
+            for _, grad in run.seams.current_grads(optimizer, entries):
                 if grad is not None:
                     grad.zero_()
 
@@ -201,182 +174,143 @@ class GradMonitor:
         """Runs at ``finalize_model_grads``. For Megatron DDP chunks the buckets' reductions start
         in their own ``start_grad_sync`` (under overlap, already during backward): phase=local drills
         and the origin pass go in there (:mod:`~megatron_patches.seams.grad_sync`); for other models, here."""
+        run = self.state
         chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         step = self.upcoming_step()
-        if not self.seams.covers(chunks):
-            if self.drills:
-                self.counters["injected"] += len(self.drills.apply(step, "local", self.rank, self.seams.named_grads(chunks)))
-            if step % self.config.check_interval == 0 and not self.seams.reduced_in_backward(chunks):
-                self.origin.before_reduction(chunks)
-        for detector in self.detectors:
+        if not run.seams.covers(chunks):
+            if run.drills:
+                run.counters["injected"] += len(run.drills.apply(step, "local", self.rank, run.seams.named_grads(chunks)))
+            if step % run.config.check_interval == 0 and not run.seams.reduced_in_backward(chunks):
+                run.origin.before_reduction(chunks)
+        for detector in run.detectors:
             detector.before_reduction(chunks, step)
 
     def note_bucket_check(self) -> None:
         """Megatron's per-bucket check ran under the guard (:mod:`megatron_patches.seams.bucket_norms`):
         the origin flag comes from its norms from now on, with no read of our own."""
-        self.origin.note_bucket_check()
+        self.state.origin.note_bucket_check()
 
     def note_pre_reduction(self, findings: list) -> None:
         """This rank's own gradients were non-finite before the data-parallel reduction (found
         by Megatron's bucket check): this rank is an origin, and the record names ``findings``."""
-        self.origin.note(findings)
+        self.state.origin.note(findings)
 
     # --- check -> locate -> respond -> publish ---------------------------------------------
 
     def _check(self, optimizer: Any, entries: list, step: int, action: Action = Action.SKIP_STEP) -> bool:
-        before = self.origin.take()
-        verdict = self.stage.run(optimizer, entries, step, before.flag, self.overflow_mode == "saturation")
+        run = self.state
+        before = run.origin.take()
+        verdict = run.stage.run(optimizer, entries, step, before.flag, self.overflow_mode == "saturation")
         self._note_checked(optimizer, entries, verdict)
         self._tell("after_check", step, verdict.flagged)
         if not verdict.flagged:
-            self.stage.commit(verdict, accepted=True)
+            run.stage.commit(verdict, accepted=True)
             return False
         self._incident(verdict, action, before)
-        self.stage.commit(verdict, accepted=False)
+        run.stage.commit(verdict, accepted=False)
         return True
 
     def _note_checked(self, optimizer: Any, entries: list, verdict: Verdict) -> None:
         """A training step's check: counters, the served norm, the history line."""
-        ctx = verdict.ctx
-        self.drills.forget_before(ctx.step)
-        self.counters["checked_steps"] += 1
-        self.last_total_norm = ctx.total_norm
-        if self.config.serve_norm:
-            self.seams.remember_norm(self, optimizer, ctx.step, ctx.total_norm, entries, ctx.grads)
-        self.last_layer_norms = verdict.layer_norms
+        run, ctx = self.state, verdict.ctx
+        run.drills.forget_before(ctx.step)
+        run.counters["checked_steps"] += 1
+        run.last_total_norm = ctx.total_norm
+        if run.config.serve_norm:
+            run.seams.remember_norm(self, optimizer, ctx.step, ctx.total_norm, entries, ctx.grads)
+        run.last_layer_norms = verdict.layer_norms
         if self.rank == 0:
-            self.publisher.write_history(ctx.step, ctx.total_norm, verdict.layer_sq)
+            run.publisher.write_history(ctx.step, ctx.total_norm, verdict.layer_sq)
 
-    def _incident(self, verdict: Verdict, action: Action, before: Any,
-                  cause: Optional[Any] = None) -> None:
-        """The slow path: locate, agree on a decision, publish, and end the run if it says so.
+    def _incident(self, verdict: Verdict, action: Action, before: PreReduction, cause: Optional[Any] = None) -> None:
+        """The slow path (:func:`~megatron_patches.slow_path.handle_incident`), then the end of the
+        run if the decision says so and the executor does not act in process.
         ``cause``: the loss scaler's event that made this skipped step an incident."""
-        ctx = verdict.ctx
-        own_origin = before.is_origin()
-        pre_reduction = before.named(self.model_chunks) if own_origin else before.findings
-        findings = local_findings(self.config, self.detectors, ctx, verdict.maxabs, verdict.total_over)
-        if self.drills.kills(ctx.step, self.rank):  # drill: this rank is lost in mid-incident
-            os.kill(os.getpid(), signal.SIGKILL)
-        part = {"findings": findings, "batch": self._batch, "ranks": naming.rank_info(),
-                "megatron": self.rerun.part(ctx.step),  # Megatron's loss check and rerun verdict
-                "pre_reduction": pre_reduction, "origin": own_origin,
-                "injected": self.drills.fired_at(ctx.step), "moe_routing": self.routing.share(ctx.step)}
-        try:
-            decision, incident = self.responder.agree(verdict, action, part, self._batch_info, self.rollbacks,
-                                                      can_replay=getattr(self.executor, "replays", False),
-                                                      cause=cause)
-        except PeerLost as error:
-            self._peer_lost(ctx.step, error)
-        self.decision = decision
-        self.counters["incidents"] += 1
-        if decision.action == Action.SKIP_STEP:
-            self.counters["skipped_steps"] += 1
-        captured = None
-        # Rank 0's scene holds the incident's summary; another rank writes one only where it reports.
-        if (self.config.scene.enabled and decision.severity.at_least(self.config.scene.min_severity)
-                and (self.rank == 0 or reports(part))):
-            captured = self._capture_scene(verdict, findings)  # captured now, whenever it is written
-        if incident is not None and captured is not None:  # rank 0: the scene goes in before the freeze
-            incident = dataclasses.replace(incident, scene=os.path.dirname(captured[0]))
-        ledger = getattr(self.executor, "ledger_path", None)  # an exit-and-restart rollback's outcome goes there
-        if incident is not None and ledger is not None and decision.action == Action.ROLLBACK:
-            incident = dataclasses.replace(incident, ledger=ledger)
-        self.last_incident = incident
-        replay = decision.replay or any(self._tell("wants_replay", decision))
-        self.publisher.hand_off(incident, captured, wait_for_outcome=replay, rank=self.rank)
-        self._tell("on_decision", decision, incident)
+        decision = slow_path.handle_incident(self.state, verdict, action, before, cause)
         if decision.ends_run and not getattr(self.executor, "in_process", False):
             self.exit(decision)
-
-    def _capture_scene(self, verdict: Verdict, findings: list) -> tuple[str, dict]:
-        batch = {**self._batch_info, "samples": list(self._batch), "tokens": self._batch_tokens}
-        return scene.capture(self.report_dir, verdict.ctx, findings, batch, self.stage.first_optimizer(),
-                             {"step": self._step, "rollbacks": self.rollbacks}, self.overflow_mode,
-                             self.rank, episode=self.rollbacks, rng=self.seams.rng_state())
 
     def _scaler_overflow(self, optimizer: Any, step: int) -> bool:
         """A step the loss scaler skips (:mod:`~megatron_patches.seams.loss_scale`). What was seen before
         the reduction is the scaler's business too (a scaled overflow shows on every rank): it is
         dropped, unless the watch calls this skip an incident, which then goes the whole way
         (parameters named, origin ranks, grading) on the unscaled gradients."""
-        self.counters["scaler_overflows"] += 1
-        before = self.origin.take()
-        event = self._loss_scale.overflow(optimizer)
+        run = self.state
+        run.counters["scaler_overflows"] += 1
+        before = run.origin.take()
+        event = run.loss_scale.overflow(optimizer)
         if event is None:
             return True
-        verdict = self.stage.run(optimizer, self.stage.entries_for(optimizer), step, before.flag,
-                                 self.overflow_mode == "saturation")
+        verdict = run.stage.run(optimizer, run.stage.entries_for(optimizer), step, before.flag,
+                                self.overflow_mode == "saturation")
         self._tell("after_check", step, True)
         self._incident(verdict, Action.SKIP_STEP, before, cause=event)
-        self.stage.commit(verdict, accepted=False)
+        run.stage.commit(verdict, accepted=False)
         return True
-
-    def _peer_lost(self, step: int, error: Exception) -> NoReturn:
-        exit_peer_lost(step, error, self.config.response.peer_timeout_s, self.close,
-                       self.config.response.exit_codes.peer_lost)
 
     # --- what the executor calls -------------------------------------------------------------
 
     def replay_check(self, optimizer: Any, step: int) -> dict:
         """Run the check on gradients a loop has just recomputed for ``step`` (no update, no new
         incident). Returns ``{"flagged", "first"}``, identical on every rank."""
-        with self.seams.unchecked():  # Megatron's own prepare_grads: no second pass through the hooks
+        run = self.state
+        with run.seams.unchecked():  # Megatron's own prepare_grads: no second pass through the hooks
             found_inf = bool(optimizer.prepare_grads())
-        self._step, self._step_set = step, False
+        run.clock.step, run.clock.named = step, False
         result = {"flagged": False, "first": None}
         if found_inf:  # counted; a replay makes no new incident
-            self.counters["scaler_overflows"] += 1
-            self.origin.take()
+            run.counters["scaler_overflows"] += 1
+            run.origin.take()
         else:
-            self._loss_scale.clear()
-            if step % self.config.check_interval:
+            run.loss_scale.clear()
+            if step % run.config.check_interval:
                 return result
-            verdict = self.stage.run(optimizer, self.stage.entries_for(optimizer), step, self.origin.take().flag,
-                                     self.overflow_mode == "saturation")
-            self.stage.commit(verdict, accepted=False)  # judged, but baselines stay as they were
+            verdict = run.stage.run(optimizer, run.stage.entries_for(optimizer), step, run.origin.take().flag,
+                                    self.overflow_mode == "saturation")
+            run.stage.commit(verdict, accepted=False)  # judged, but baselines stay as they were
             try:
-                result = self.responder.replay_verdict(verdict)
+                result = run.responder.replay_verdict(verdict)
             except PeerLost as error:
-                self._peer_lost(step, error)
-        self.seams.undo_prepare_on_skip(optimizer)  # no update follows (MindSpeed --reuse-fp32-param)
+                slow_path.peer_lost(run, step, error)
+        run.seams.undo_prepare_on_skip(optimizer)  # no update follows (MindSpeed --reuse-fp32-param)
         return result
 
     def attach(self, executor: Any, rollbacks: int) -> None:
         """Make ``executor`` (:class:`~megatron_patches.protocols.Executor`) act on this guard's
         decisions; ``rollbacks``: how many the run has had so far (its ledger's count)."""
-        self.executor, self.rollbacks = executor, rollbacks
+        self.state.executor, self.state.rollbacks = executor, rollbacks
 
     def add_callback(self, callback: Callback) -> None:
         """Let ``callback`` hear of this run's events (:class:`~megatron_patches.callbacks.Callback`)."""
-        self.callbacks.append(callback)
+        self.state.callbacks.append(callback)
 
     def _tell(self, event: str, *args: Any) -> list:
         """Call ``event`` (a :class:`~megatron_patches.callbacks.Callback` method) on every callback, in order."""
-        return [getattr(callback, event)(*args) for callback in self.callbacks]
+        return run_state.tell(self.state, event, *args)
 
     def callback_of(self, kind: type[T]) -> Optional[T]:
         """The first callback added that is a ``kind``, or None (an integration finds its own)."""
-        return next((callback for callback in self.callbacks if isinstance(callback, kind)), None)
+        return next((callback for callback in self.state.callbacks if isinstance(callback, kind)), None)
 
     def count(self, counter: str, n: int = 1) -> None:
         """Add ``n`` to one of :attr:`counters` (the hooks and seams report what they did here)."""
-        self.counters[counter] += n
+        self.state.counters[counter] += n
 
     def take_decision(self) -> Optional[Decision]:
-        decision, self.decision = self.decision, None
+        decision, self.state.decision = self.state.decision, None
         return decision
 
     def resolve(self, outcome: Outcome) -> None:
         """The executor's outcome for the held incident (replay verdict, blacklisted samples,
         rollback target); rank 0 publishes the record with it. Call on every rank."""
         if self.rank == 0:
-            self.publisher.resolve(outcome)
+            self.state.publisher.resolve(outcome)
 
     def new_episode(self, rollbacks: int) -> None:
         """After an in-process rollback: grading counts afresh, and drills that began are over."""
-        self.rollbacks = rollbacks
-        self.responder.policy.reset()
-        self.drills.spend_started()
+        self.state.rollbacks = rollbacks
+        self.state.responder.policy.reset()
+        self.state.drills.spend_started()
 
     def exit(self, decision: Decision) -> NoReturn:
         """Stop this rank cleanly for ``decision``: flush scenes and alerts, then exit with its
@@ -396,5 +330,4 @@ class GradMonitor:
 
     def close(self) -> None:
         """Write what is queued (held record, scenes, alerts)."""
-        self.publisher.close()
-
+        self.state.publisher.close()

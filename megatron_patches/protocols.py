@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any, ContextManager, Iterable, NoReturn, Optio
 
 if TYPE_CHECKING:  # pragma: no cover - names for the annotations only
     from .config import Config
-    from .incidents import Incident, Outcome
+    from .incidents import Incident, Outcome, ParamFinding
     from .decisions import Decision
+    from .findings import RankReport
 
 
 class Executor(Protocol):
@@ -32,6 +33,65 @@ class Executor(Protocol):
     def settle_exit(self, decision: "Decision") -> "Decision":
         """Last work before the process ends for ``decision`` (write the ledger); returns the
         decision the exit code is taken from (a critical stop when that work failed)."""
+
+
+class ModelChunks(Protocol):
+    """Optimizer -> model chunks, bucket group -> parameters, as the core reads them
+    (:class:`megatron_patches.seams.model_chunks.ModelChunks`)."""
+
+    def chunks_for(self, optimizer: Any) -> Optional[list]:
+        """The model chunks ``optimizer`` steps, None when its maker was not seen."""
+
+    def modules(self) -> list:
+        """Every module of every known chunk (a forward trace watches them)."""
+
+
+class PreReduction(Protocol):
+    """What one rank knew of its own gradients before the reduction of one step
+    (:class:`megatron_patches.seams.origin.PreReduction`)."""
+
+    flag: Any
+    """A device tensor, 1.0 where this rank's own gradients held NaN/Inf; None when not checked."""
+    findings: list
+
+    def is_origin(self) -> bool:
+        """Whether the fault entered here (reads the flag: the slow path only)."""
+
+    def named(self, model_chunks: ModelChunks) -> list["ParamFinding"]:
+        """This rank's own faulty gradients, named."""
+
+
+class OriginWatch(Protocol):
+    """One run's pre-reduction origin pass (:class:`megatron_patches.seams.origin.OriginWatch`)."""
+
+    def take(self) -> PreReduction:
+        """What the step's pre-reduction pass saw, once."""
+
+    def before_reduction(self, model_chunks: list) -> None:
+        """The pass over a model outside Megatron DDP, before its reduction."""
+
+    def note_bucket_check(self) -> None:
+        """Megatron's per-bucket check runs: the flag comes from its norms from now on."""
+
+    def note(self, findings: list) -> None:
+        """This rank's own gradients were non-finite before the reduction (Megatron's bucket check)."""
+
+
+class RerunWatch(Protocol):
+    """One run's view of Megatron's reruns in place (:class:`megatron_patches.seams.rerun_machine.RerunWatch`)."""
+
+    def part(self, step: int) -> Optional[dict]:
+        """This rank's share of the incident of ``step`` (the loss it rejected, Megatron's verdict), once."""
+
+
+class LossScaleWatch(Protocol):
+    """One run's fp16 loss-scaler watch (:class:`megatron_patches.seams.loss_scale.LossScaleWatch`)."""
+
+    def clear(self) -> None:
+        """A step the scaler did not skip."""
+
+    def overflow(self, optimizer: Any) -> Optional[Any]:
+        """A skipped step: the event that makes it an incident (a ``ScalerEvent``), or None."""
 
 
 class Seams(Protocol):
@@ -69,19 +129,19 @@ class Seams(Protocol):
     def rng_state(self) -> dict:
         """Every random-number generator a step draws from on this rank (a fault scene keeps it)."""
 
-    def record_fields(self, everyone: list, extra: dict) -> tuple[dict, str]:
+    def record_fields(self, everyone: list["RankReport"], extra: dict) -> tuple[dict, str]:
         """Rank 0: the record's fields from Megatron's loss check and rerun, and a note for the message."""
 
-    def model_chunks(self) -> Any:
+    def model_chunks(self) -> ModelChunks:
         """A new run's optimizer -> model chunks and bucket group -> parameters map."""
 
-    def rerun_watch(self) -> Any:
+    def rerun_watch(self) -> RerunWatch:
         """A new run's watch on Megatron's rerun state machine."""
 
-    def origin_watch(self, enabled: bool) -> Any:
+    def origin_watch(self, enabled: bool) -> OriginWatch:
         """A new run's pre-reduction origin watch (``response.origin_check``)."""
 
-    def loss_scale_watch(self, settings: Any) -> Any:
+    def loss_scale_watch(self, settings: Any) -> LossScaleWatch:
         """A new run's fp16 loss-scaler watch (``detectors.loss_scale``)."""
 
 

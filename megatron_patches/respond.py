@@ -1,5 +1,6 @@
-"""The respond stage: the findings of the ranks an incident reached to rank 0, which grades the
-incident and assembles it, then the :class:`~megatron_patches.decisions.Decision` back to every rank.
+"""The respond stage: the reports of the ranks an incident reached to rank 0, which decides on it
+(:func:`decide`: grades it and assembles the incident, a pure function of the reports, the facts
+of the step and the policy), then the :class:`~megatron_patches.decisions.Decision` back to every rank.
 
 Both collectives are bounded (``response.peer_timeout_s``): a peer lost between them raises
 :class:`~megatron_patches.collectives.PeerLost` on the ranks still alive, and
@@ -12,23 +13,75 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Callable, NoReturn, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, NoReturn, Optional
 
 from . import naming
 from .check import Verdict
-from .collectives import broadcast_from_zero, gather_reports
+from .collectives import BoundedGroup, broadcast_from_zero, gather_reports
+from .config import Config
 from .decisions import EXIT_PEER_LOST, Action, Decision, GradePolicy, Severity
-from .findings import assemble, first_name, local_findings, origins_of, reports
-from .incidents import Incident, finite_or_none
+from .detectors import Detector
+from .findings import RankReport, RecordFields, assemble, local_findings, origins_of
+from .incidents import Incident, finite_or_none, first_of
 
 log = logging.getLogger("megatron_patches")
 
 
-class Responder:
-    """Rank 0's grading (:class:`GradePolicy`) and the collectives around it."""
+@dataclass(frozen=True)
+class StepFacts:
+    """What rank 0 knows of an incident's step beside the ranks' reports."""
 
-    def __init__(self, config: Any, detectors: list, peers: Any,
-                 megatron_fields: Callable[[list, dict], tuple[dict, str]]):
+    checked: int
+    """Gradients checked on every rank together (summed in the gather)."""
+    world: Mapping[str, int]
+    """The job's layout (:func:`~megatron_patches.naming.world_layout`)."""
+    action: Action = Action.SKIP_STEP
+    """What the hook does with a flagged step: skip it, or zero the gradients of a direct
+    ``clip_grad_norm`` call (then nothing is graded: a warning)."""
+    rollbacks: int = 0
+    """Rollbacks the run has had so far (the retry budget)."""
+    can_replay: bool = False
+    """Whether the executor replays a step itself, so the decision may ask for it."""
+    batch_info: Mapping[str, Any] = field(default_factory=dict)
+    """Fields of the step's batch, the same on every rank (Megatron-LM's iteration, ...)."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """The fields the detectors add to the record (their view on rank 0)."""
+    cause: Optional[Any] = None
+    """What made the step an incident beside its gradients (a
+    :class:`~megatron_patches.seams.loss_scale.ScalerEvent`), the same on every rank."""
+
+
+def no_megatron_fields(everyone: list[RankReport], extra: dict) -> tuple[dict, str]:
+    """``record_fields`` where nothing of Megatron's loss check or rerun is known."""
+    return {}, ""
+
+
+def decide(verdict: Verdict, reports: list[RankReport], policy: GradePolicy, facts: StepFacts,
+           record_fields: RecordFields = no_megatron_fields) -> tuple[Decision, Incident]:
+    """Rank 0's decision on an incident and the incident itself, from the ``reports`` of the ranks
+    that reported (in rank order) and ``facts``. No collective, no file, no clock but the
+    record's time: what it reads is its arguments; what it changes is ``policy``'s count of recent
+    incidents (the grading history is the policy's). ``record_fields``: ``Seams.record_fields``."""
+    ctx = verdict.ctx
+    origins, replicas = origins_of(reports)
+    if facts.action == Action.SKIP_STEP:
+        decision = policy.grade(ctx.step, replicas, facts.rollbacks, facts.can_replay, origins=tuple(origins))
+    else:  # direct clip_grad_norm callers: nothing to skip, gradients are zeroed
+        decision = Decision(Severity.WARNING, facts.action, "checked in clip_grad_norm", ctx.step,
+                            origins=tuple(origins))
+    incident = assemble(ctx, reports, decision, kinds=verdict.kinds, extra=dict(facts.extra),
+                        batch_info=facts.batch_info, record_fields=record_fields, checked=facts.checked,
+                        world=facts.world, cause=facts.cause)
+    return decision, incident
+
+
+class Responder:
+    """The respond stage on every rank: the bounded gather, rank 0's :func:`decide`, the bounded
+    broadcast. Holds rank 0's grading (:class:`GradePolicy`)."""
+
+    def __init__(self, config: Config, detectors: list[Detector], peers: BoundedGroup,
+                 megatron_fields: RecordFields):
         """``peers``: the guard's :class:`~megatron_patches.collectives.BoundedGroup`; no rank waits
         on another longer than ``response.peer_timeout_s`` while they agree. ``megatron_fields``:
         the record's fields from Megatron's loss check and rerun (``Seams.record_fields``)."""
@@ -38,21 +91,23 @@ class Responder:
         self.peers = peers
         self.policy = GradePolicy(config)
 
-    def agree(self, verdict: Verdict, action: Action, part: dict, batch_info: dict, rollbacks: int,
-              can_replay: bool, cause: Optional[Any] = None) -> tuple[Decision, Optional[Incident]]:
-        """Call on every rank with this rank's ``part`` (findings, batch, ranks, pre_reduction,
-        origin, injected, megatron, moe_routing). Rank 0 takes in the parts of the ranks that
-        report (:func:`~megatron_patches.findings.reports`), not every rank's. Returns the decision
-        everywhere and the incident on rank 0.
-        ``cause``: what made the step an incident beside the gradients (a
-        :class:`~megatron_patches.seams.loss_scale.ScalerEvent`), the same on every rank."""
+    def agree(self, verdict: Verdict, report: RankReport, *, action: Action, batch_info: Mapping[str, Any],
+              rollbacks: int, can_replay: bool, cause: Optional[Any] = None) -> tuple[Decision, Optional[Incident]]:
+        """Call on every rank with this rank's ``report``. Rank 0 takes in the reports of the ranks
+        that report (:meth:`~megatron_patches.findings.RankReport.reports`), not every rank's, and
+        decides (:func:`decide`). Returns the decision everywhere and the incident on rank 0.
+        ``cause``: what made the step an incident beside the gradients, the same on every rank."""
         ctx = verdict.ctx
         decision, incident = None, None
-        everyone, checked = gather_reports(part, reports(part), self.peers, tally=len(ctx.entries))
+        everyone, checked = gather_reports(report, report.reports(), self.peers, tally=len(ctx.entries))
         if everyone:  # rank 0
             try:
-                decision, incident = self._decide(verdict, everyone, checked, action, batch_info, rollbacks,
-                                                  can_replay, cause)
+                facts = StepFacts(checked=checked, world=naming.world_layout(), action=action, rollbacks=rollbacks,
+                                  can_replay=can_replay, batch_info=batch_info, extra=self._extra(verdict),
+                                  cause=cause)
+                decision, incident = decide(verdict, everyone, self.policy, facts, self.megatron_fields)
+                log.warning("step %d: %s: %s -> %s (%s)", ctx.step, decision.severity, incident.message,
+                            decision.action, decision.reason)
             except Exception as error:
                 log.exception("step %d: the guard failed while deciding on an incident", ctx.step)
                 decision = Decision(Severity.CRITICAL, Action.STOP, "the guard failed while deciding on "
@@ -61,33 +116,23 @@ class Responder:
                 incident = _fallback_incident(verdict, decision)
         return broadcast_from_zero(decision, self.peers), incident
 
-    def _decide(self, verdict: Verdict, everyone: list, checked: int, action: Action, batch_info: dict,
-                rollbacks: int, can_replay: bool, cause: Optional[Any]) -> tuple[Decision, Incident]:
-        """Rank 0: grade the incident from every rank's findings and assemble it."""
-        ctx = verdict.ctx
-        origins, replicas = origins_of(everyone)
-        if action == Action.SKIP_STEP:
-            decision = self.policy.grade(ctx.step, replicas, rollbacks, can_replay, origins=tuple(origins))
-        else:  # direct clip_grad_norm callers: nothing to skip, gradients are zeroed
-            decision = Decision(Severity.WARNING, action, "checked in clip_grad_norm", ctx.step, origins=tuple(origins))
+    def _extra(self, verdict: Verdict) -> dict[str, Any]:
+        """The fields the detectors add to the record (rank 0)."""
         extra: dict[str, Any] = {}
         for detector in self.detectors:
-            extra.update(detector.extra(ctx, verdict.reduced[detector.name]))
-        incident = assemble(ctx, everyone, verdict.kinds, extra, decision, batch_info, self.megatron_fields, checked,
-                            cause)
-        log.warning("step %d: %s: %s -> %s (%s)", ctx.step, decision.severity, incident.message,
-                    decision.action, decision.reason)
-        return decision, incident
-
+            extra.update(detector.extra(verdict.ctx, verdict.reduced[detector.name]))
+        return extra
 
     def replay_verdict(self, verdict: Verdict) -> dict:
-        """A replay's check: ``{"flagged", "first"}`` on every rank, ``first`` the parameter nearest
-        the output among every rank's findings (no incident, no grading)."""
+        """A replay's check: ``{"flagged", "first"}`` on every rank, ``first`` the parameter named
+        first (:func:`~megatron_patches.incidents.first_of`) among every rank's findings (no
+        incident, no grading)."""
         first = None
         if verdict.flagged:
             mine = local_findings(self.config, self.detectors, verdict.ctx, verdict.maxabs, verdict.total_over)
             parts, _ = gather_reports(mine, bool(mine), self.peers)
-            first = first_name([f for part in parts for f in part])
+            found = first_of(f for part in parts for f in part)
+            first = found.name if found is not None else None
         return broadcast_from_zero({"flagged": verdict.flagged, "first": first}, self.peers)
 
 

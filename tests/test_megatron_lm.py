@@ -28,6 +28,7 @@ from megatron_patches.testing.pretrain_cpu import TINY_GPT_ARGS
 
 from megatron_patches import checkpoint
 from megatron_patches.ledger import LEDGER_FILE, Ledger
+from megatron_patches.findings import RankReport
 from megatron_patches.report import diagnosis
 from megatron_patches.seams import megatron_lm, rerun_machine
 
@@ -885,9 +886,9 @@ def test_megatron_rerun_fields_take_the_reproducible_verdict_and_name_the_loss_r
     """Rank 0 merges every rank's share: one rank that reproduced its fault makes the step's
     verdict reproducible; the ranks whose loss was rejected are named in the message."""
     share = {"mode": "validate_results", "check": "loss", "message": "found NaN in local forward loss"}
-    everyone = [{"ranks": {"global": 0}, "megatron": {"rerun": {**share, "check": "bucket norm", "verdict": "transient"}}},
-                {"ranks": {"global": 1}, "megatron": {"loss_nonfinite": True, "rerun": {**share, "verdict": "reproducible"}}},
-                {"ranks": {"global": 2}, "megatron": None}]
+    everyone = [RankReport(ranks={"global": 0}, megatron={"rerun": {**share, "check": "bucket norm", "verdict": "transient"}}),
+                RankReport(ranks={"global": 1}, megatron={"loss_nonfinite": True, "rerun": {**share, "verdict": "reproducible"}}),
+                RankReport(ranks={"global": 2})]
     fields, note = rerun_machine.record_fields(everyone, {})
     assert fields["loss_nonfinite"] is True
     assert fields["megatron_rerun"]["verdict"] == "reproducible" and fields["megatron_rerun"]["mode"] == "validate_results"

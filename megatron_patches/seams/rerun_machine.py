@@ -38,7 +38,8 @@ import torch
 
 from . import bucket_norms
 from .. import forward_origin
-from ..incident_text import expert_text
+from ..findings import RankReport
+from ..incident_text import module_text
 from ..protocols import Guard
 
 log = logging.getLogger("megatron_patches")
@@ -173,10 +174,10 @@ def _state_name(machine: Any) -> str:
     return str(getattr(state, "name", state))
 
 
-def record_fields(everyone: list, extra: dict) -> tuple[dict, str]:
-    """Rank 0: the record fields from every rank's :meth:`RerunWatch.part`, and what the message adds to
-    the one made with ``extra`` (the fields found so far)."""
-    shares = [(p["ranks"]["global"], p["megatron"]) for p in everyone if p.get("megatron")]
+def record_fields(everyone: list[RankReport], extra: dict) -> tuple[dict, str]:
+    """Rank 0: the record fields from every report's ``megatron`` (its rank's :meth:`RerunWatch.part`),
+    and what the message adds to the one made with ``extra`` (the fields found so far)."""
+    shares = [(report.rank, report.megatron) for report in everyone if report.megatron]
     fields: dict[str, Any] = {}
     note = ""
     loss_ranks = [rank for rank, share in shares if share.get("loss_nonfinite")]
@@ -199,8 +200,5 @@ def record_fields(everyone: list, extra: dict) -> tuple[dict, str]:
                               ("backward_origin", backward, "backward first carried a non-finite gradient into")):
         if origin is not None:
             fields[key] = origin
-            note += (f"; in the rerun {what} {origin['module']}"
-                     + (f" (layer {origin['layer']})" if origin["layer"] is not None else "")
-                     + (f", {expert_text(origin['expert'])}" if origin.get("expert") else "")
-                     + f" on rank(s) {origin['ranks']}")
+            note += f"; in the rerun {what} {module_text(origin)} on rank(s) {origin['ranks']}"
     return fields, note

@@ -1,0 +1,96 @@
+"""The slow path of a flagged step, on every rank: this rank's :class:`~megatron_patches.findings.RankReport`,
+the agreement on a decision (:meth:`~megatron_patches.respond.Responder.agree`: a bounded gather,
+rank 0's pure :func:`~megatron_patches.respond.decide`, a bounded broadcast), the scene, the
+hand-off to the publisher and the callbacks' events. Every function takes the run's
+:class:`~megatron_patches.run_state.RunState`; ending the process is left to the monitor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+from typing import Any, NoReturn, Optional
+
+from . import collectives, naming, scene
+from .check import Verdict
+from .collectives import PeerLost
+from .decisions import Action, Decision
+from .findings import RankReport, local_findings
+from .incidents import Incident, ParamFinding
+from .protocols import PreReduction
+from .respond import exit_peer_lost
+from .run_state import RunState, tell
+
+
+def handle_incident(state: RunState, verdict: Verdict, action: Action, before: PreReduction,
+                    cause: Optional[Any] = None) -> Decision:
+    """Locate, agree on a decision, capture the scene and hand the incident to the publisher;
+    returns the decision (identical on every rank), which the caller acts on. ``before``: what
+    this rank saw before the reduction; ``cause``: the loss scaler's event that made this skipped
+    step an incident."""
+    rank = collectives.rank()
+    report, findings = rank_report(state, verdict, before, rank)
+    try:
+        decision, incident = state.responder.agree(
+            verdict, report, action=action, batch_info=state.batch.info, rollbacks=state.rollbacks,
+            can_replay=getattr(state.executor, "replays", False), cause=cause)
+    except PeerLost as error:
+        peer_lost(state, verdict.ctx.step, error)
+    state.decision = decision
+    state.counters["incidents"] += 1
+    if decision.action == Action.SKIP_STEP:
+        state.counters["skipped_steps"] += 1
+    captured = None
+    # Rank 0's scene holds the incident's summary; another rank writes one only where it reports.
+    settings = state.config.scene
+    if settings.enabled and decision.severity.at_least(settings.min_severity) and (rank == 0 or report.reports()):
+        captured = capture_scene(state, verdict, findings, rank)  # captured now, whenever it is written
+    incident = _completed(state, incident, decision, captured)
+    state.last_incident = incident
+    replay = decision.replay or any(tell(state, "wants_replay", decision))
+    state.publisher.hand_off(incident, captured, wait_for_outcome=replay, rank=rank)
+    tell(state, "on_decision", decision, incident)
+    return decision
+
+
+def rank_report(state: RunState, verdict: Verdict, before: PreReduction,
+                rank: int) -> tuple[RankReport, list[ParamFinding]]:
+    """This rank's part of the incident, and its findings (for its scene)."""
+    ctx = verdict.ctx
+    own_origin = before.is_origin()
+    pre_reduction = before.named(state.model_chunks) if own_origin else before.findings
+    findings = local_findings(state.config, state.detectors, ctx, verdict.maxabs, verdict.total_over)
+    if state.drills.kills(ctx.step, rank):  # drill: this rank is lost in mid-incident
+        os.kill(os.getpid(), signal.SIGKILL)
+    report = RankReport(
+        ranks=naming.rank_info(), findings=tuple(findings), pre_reduction=tuple(pre_reduction), origin=own_origin,
+        batch=state.batch.samples, injected=tuple(state.drills.fired_at(ctx.step)),
+        megatron=state.rerun.part(ctx.step),  # Megatron's loss check and rerun verdict
+        moe_routing=state.routing.share(ctx.step))
+    return report, findings
+
+
+def _completed(state: RunState, incident: Optional[Incident], decision: Decision,
+               captured: Optional[tuple]) -> Optional[Incident]:
+    """Rank 0's incident with where its scene went (before the freeze) and, for an
+    exit-and-restart rollback, the ledger its outcome goes to."""
+    if incident is not None and captured is not None:
+        incident = dataclasses.replace(incident, scene=os.path.dirname(captured[0]))
+    ledger = getattr(state.executor, "ledger_path", None)
+    if incident is not None and ledger is not None and decision.action == Action.ROLLBACK:
+        incident = dataclasses.replace(incident, ledger=ledger)
+    return incident
+
+
+def capture_scene(state: RunState, verdict: Verdict, findings: list, rank: int) -> tuple[str, dict]:
+    batch = {**state.batch.info, "samples": list(state.batch.samples), "tokens": state.batch.tokens}
+    return scene.capture(state.report_dir, verdict.ctx, findings, batch, state.stage.first_optimizer(),
+                         {"step": state.clock.step, "rollbacks": state.rollbacks}, state.resolved_overflow_mode(),
+                         rank, episode=state.rollbacks, rng=state.seams.rng_state())
+
+
+def peer_lost(state: RunState, step: int, error: Exception) -> NoReturn:
+    """A peer was lost while the ranks agreed: flush and end this process at once."""
+    exit_peer_lost(step, error, state.config.response.peer_timeout_s, state.publisher.close,
+                   state.config.response.exit_codes.peer_lost)

@@ -1,0 +1,146 @@
+"""Rank 0's decision on an incident without ranks: respond.decide over hand-made RankReports
+(what the gather would bring), the policy and the step's facts. No process group, no training:
+ties for "the first parameter", two origins, an expert-parallel group, ranks that did not report,
+and the guard's own failure while deciding."""
+
+import pickle
+
+import pytest
+import torch
+
+from megatron_patches.check import Verdict
+from megatron_patches.config import Config
+from megatron_patches.decisions import Action, GradePolicy
+from megatron_patches.detectors import CheckContext
+from megatron_patches.findings import RankReport
+from megatron_patches.incidents import ParamFinding, first_of
+from megatron_patches.respond import Responder, StepFacts, decide
+
+pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)
+
+WORLD = {"size": 4, "tp": 1, "pp": 1, "dp": 4, "cp": 1, "ep": 1}
+OUTPUT, FC1 = "output_layer.weight", "decoder.layers.1.mlp.linear_fc1.weight"
+
+
+def ranks(rank, dp=None, ep=0, edp=None, tp=0):
+    dp = rank if dp is None else dp
+    return {"global": rank, "tp": tp, "pp": 0, "dp": dp, "cp": 0, "ep": ep, "edp": dp if edp is None else edp, "vpp": 0}
+
+
+def finding(name, order, rank, nan=3, layer=None, **where):
+    return ParamFinding(name=name, layer=layer, shape=[4, 4], nan=nan, inf=0, overflow=0, norm=None,
+                        ranks=ranks(rank, **where), host=f"host{rank}", device=f"cpu:{rank}", order=order,
+                        reasons=["nan"] if nan else ["magnitude"])
+
+
+def verdict(step=5, total_norm=float("nan")):
+    ctx = CheckContext(step=step, entries=[], grads=[], norms=None, device=torch.device("cpu"), total_norm=total_norm)
+    return Verdict(ctx=ctx, maxabs=None, total_over=False, kinds=[], reduced={}, layer_sq=[], flagged=True)
+
+
+def policy(**response):
+    return GradePolicy(Config.from_dict({"response": response}))
+
+
+def facts(**changes):
+    return StepFacts(**{"checked": 100, "world": WORLD, **changes})
+
+
+def test_a_tie_goes_to_the_lowest_rank_everywhere_the_first_parameter_is_named():
+    """The same parameter on two ranks (tensor-parallel shards): whatever order the reports come
+    in, the message, the record's ``first`` and ``params`` and ``first_name`` agree on rank 0."""
+    reports = [RankReport(ranks=ranks(1, dp=0, tp=1), findings=(finding(OUTPUT, 40, 1, dp=0, tp=1),)),
+               RankReport(ranks=ranks(0, dp=0), findings=(finding(OUTPUT, 40, 0, dp=0), finding(FC1, 12, 0, layer=1)))]
+    decision, incident = decide(verdict(), reports, policy(), facts())
+    record = incident.record()
+    assert (decision.severity, decision.action) == ("warning", "skip_step")
+    assert incident.first_name == OUTPUT and record["first"]["ranks"]["global"] == 0
+    assert [(p["name"], p["ranks"]["global"]) for p in record["params"]] == [(OUTPUT, 0), (OUTPUT, 1), (FC1, 0)]
+    assert incident.message.startswith(f"nan gradient first at {OUTPUT} (layer None, rank 0); 2 parameter(s)")
+    assert record["ranks_affected"] == [0, 1]
+
+
+def test_unnamed_parameters_tie_on_their_order_and_the_one_listed_first_leads():
+    a, b = finding("<unnamed (4, 4)>", -1, 0), finding("<unnamed (2,)>", -1, 0)
+    assert first_of([a, b]) is a and first_of([b, a]) is b and first_of([]) is None
+
+
+def test_two_origins_in_two_replicas_are_a_critical_stop_naming_both():
+    reports = [RankReport(ranks=ranks(r), findings=(finding(FC1, 12, r, layer=1),), origin=True,
+                          pre_reduction=(finding(FC1, 12, r, layer=1),), batch=(10 * r, 10 * r + 1)) for r in (1, 2)]
+    decision, incident = decide(verdict(), reports, policy(), facts())
+    assert (decision.severity, decision.action, decision.origins) == ("critical", "stop", (1, 2))
+    assert "entered on 2 data-parallel replicas" in decision.reason
+    record = incident.record()
+    assert record["origin_ranks"] == [1, 2] and record["replicas_reached"] == 2
+    assert record["first"]["ranks"]["global"] == 1 and record["batch"]["samples"] == [10, 11, 20, 21]
+    assert "entered on rank(s) [1, 2] before the data-parallel reduction, reached 2 of 4" in incident.message
+
+
+def test_origins_in_one_expert_parallel_group_count_once():
+    """EP2 x expert-DP2: ranks 0 and 1 are one EP group; their all-to-all carries one fault to both."""
+    layout = {0: (0, 0, 0), 1: (1, 1, 0), 2: (2, 0, 1), 3: (3, 1, 1)}  # rank: (dp, ep, edp)
+    reports = [RankReport(ranks=ranks(r, dp=dp, ep=ep, edp=edp), origin=r in (0, 1),
+                          findings=(finding(FC1, 12, r, layer=1, dp=dp, ep=ep, edp=edp),) if r in (0, 1) else ())
+               for r, (dp, ep, edp) in layout.items()]
+    decision, incident = decide(verdict(), reports, policy(), facts())
+    assert (decision.severity, decision.origins) == ("warning", (0, 1))
+    assert "those ranks are one expert-parallel group" in incident.message
+    split = [RankReport(ranks=report.ranks, origin=report.rank in (1, 2)) for report in reports]
+    decision, _ = decide(verdict(), split, policy(), facts())
+    assert (decision.severity, decision.origins) == ("critical", (1, 2))
+
+
+def test_ranks_that_did_not_report_are_absent_not_guessed():
+    """World of 4, only ranks 1 and 3 reported (the others found nothing and sent nothing)."""
+    reports = [RankReport(ranks=ranks(1), findings=(finding(FC1, 12, 1, layer=1),), batch=(7,)),
+               RankReport(ranks=ranks(3), injected=({"drill": "nan:step=5", "rank": 3, "param": FC1},), batch=(9,))]
+    assert [r.reports() for r in reports] == [True, True] and not RankReport(ranks=ranks(2), batch=(8,)).reports()
+    _, incident = decide(verdict(), reports, policy(), facts())
+    record = incident.record()
+    assert record["ranks_affected"] == [1] and record["batch"]["samples"] == [7, 9]
+    assert record["injected"] == [{"drill": "nan:step=5", "rank": 3, "param": FC1}] and record["world"] == WORLD
+    assert record["origin_ranks"] == [] and "replicas_reached" not in record
+
+
+def test_every_gradient_non_finite_says_the_first_named_is_not_the_suspect():
+    reports = [RankReport(ranks=ranks(0), findings=(finding(OUTPUT, 40, 0), finding(FC1, 12, 0, layer=1)))]
+    _, incident = decide(verdict(), reports, policy(), facts(checked=2))
+    assert incident.extra["all_gradients_nonfinite"] is True
+    assert incident.message.endswith("so the output layer named first is not the suspect")
+    _, incident = decide(verdict(), reports, policy(), facts(checked=3))
+    assert "all_gradients_nonfinite" not in incident.extra
+
+
+def test_grading_follows_the_policy_and_a_direct_clip_is_not_graded():
+    reports = [RankReport(ranks=ranks(0), findings=(finding(FC1, 12, 0, layer=1),))]
+    p = policy()
+    assert decide(verdict(step=1), reports, p, facts())[0].severity == "warning"
+    assert decide(verdict(step=2), reports, p, facts(rollbacks=0, can_replay=True))[0].action == "rollback"
+    clip = decide(verdict(step=3), reports, policy(), facts(action=Action.ZERO_GRADS))[0]
+    assert (clip.severity, clip.action, clip.reason) == ("warning", "zero_grads", "checked in clip_grad_norm")
+
+
+def test_megatrons_fields_come_from_the_reports_and_join_the_message():
+    reports = [RankReport(ranks=ranks(0), findings=(finding(FC1, 12, 0, layer=1),), megatron={"loss_nonfinite": True})]
+
+    def fields(everyone, extra):
+        return {"loss_nonfinite": True}, f"; loss on {[r.rank for r in everyone if r.megatron]}"
+
+    _, incident = decide(verdict(), reports, policy(), facts(), fields)
+    assert incident.extra["loss_nonfinite"] is True and incident.message.endswith("; loss on [0]")
+
+
+def test_a_report_survives_the_gather_as_a_value():
+    report = RankReport(ranks=ranks(1), findings=(finding(FC1, 12, 1, layer=1),), batch=(3,), moe_routing=None)
+    assert pickle.loads(pickle.dumps(report)) == report
+
+
+def test_a_failure_while_deciding_becomes_a_critical_stop_with_a_record():
+    """A report rank 0 cannot read (no data-parallel rank): the guard's own error, in one process."""
+    responder = Responder(Config(), [], peers=None, megatron_fields=lambda everyone, extra: ({}, ""))
+    broken = RankReport(ranks={"global": 0}, origin=True, findings=(finding(FC1, 12, 0, layer=1),))
+    decision, incident = responder.agree(verdict(), broken, action=Action.SKIP_STEP, batch_info={}, rollbacks=0,
+                                         can_replay=False)
+    assert (decision.severity, decision.action) == ("critical", "stop") and "KeyError" in decision.reason
+    assert incident is not None and incident.kind == "guard_error"
