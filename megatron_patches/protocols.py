@@ -17,6 +17,10 @@ if TYPE_CHECKING:  # pragma: no cover - names for the annotations only
     from .incidents import Incident, Outcome, ParamFinding
     from .decisions import Decision
     from .findings import RankReport
+    from .callbacks import Callback
+    from .collectives import BoundedGroup
+    from .inject import Injector
+    from .moe_routing import RoutingWatch
 
 
 class Executor(Protocol):
@@ -150,30 +154,31 @@ class Guard(Protocol):
     served_norm, forward_origin) use on the guard."""
 
     config: "Config"
-    counters: dict
+    counters: dict[str, int]
     """Totals over the job: checked_steps, skipped_steps, incidents, scaler_overflows, injected, served_norms."""
     last_total_norm: Optional[float]
-    last_layer_norms: dict
+    last_layer_norms: dict[str, float]
     last_incident: Optional["Incident"]
     """The last incident as rank 0 assembled it (None on the other ranks)."""
     executor: Optional[Executor]
     rollbacks: int
-    callbacks: list
+    callbacks: list["Callback"]
     """The integrations that hear of the run's events (:class:`~megatron_patches.callbacks.Callback`)."""
 
-    checked_norm: Any
-    """The last check's total norm until Megatron's get_grad_norm takes it (:mod:`~megatron_patches.seams.served_norm`)."""
-    routing: Any
+    checked_norm: Optional[Any]
+    """The last check's total norm (a device tensor) until Megatron's get_grad_norm takes it (:mod:`~megatron_patches.seams.served_norm`)."""
+    routing: "RoutingWatch"
     """Tokens per expert and router finiteness of the step being made (:mod:`~megatron_patches.moe_routing`)."""
 
     # The run's state beside the pipeline (what the hooks and seams keep between calls).
-    drills: Any
+    drills: "Injector"
     """The run's fault drills (:class:`~megatron_patches.inject.Injector`)."""
-    model_chunks: Any
+    model_chunks: ModelChunks
     """Optimizer -> model chunks, bucket group -> parameters (:class:`~megatron_patches.seams.model_chunks.ModelChunks`)."""
     rerun: Any
-    """Megatron's rerun of a checked step in place (:class:`~megatron_patches.seams.rerun_machine.RerunWatch`)."""
-    peers: Any
+    """Megatron's rerun of a checked step in place (:class:`~megatron_patches.seams.rerun_machine.RerunWatch`;
+    the seams that use it read more of it than the core's :class:`RerunWatch` names, so the type is theirs)."""
+    peers: "BoundedGroup"
     """The guard's bounded gloo group for the slow path (:class:`~megatron_patches.collectives.BoundedGroup`)."""
 
     @property
@@ -200,7 +205,7 @@ class Guard(Protocol):
     def attach(self, executor: Executor, rollbacks: int) -> None:
         """Make ``executor`` act on the guard's decisions; ``rollbacks`` so far (the ledger's)."""
 
-    def add_callback(self, callback: Any) -> None:
+    def add_callback(self, callback: "Callback") -> None:
         """Let ``callback`` (:class:`~megatron_patches.callbacks.Callback`) hear of the run's events."""
 
     def callback_of(self, kind: type) -> Any:
