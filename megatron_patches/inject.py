@@ -18,7 +18,9 @@ spreads like a faulty card's would; ``forward``: the output of ``module`` in the
 so the loss and then every gradient go non-finite, see :mod:`megatron_patches.forward_origin`;
 ``backward``: the gradient flowing into the output of ``module`` in the backward pass, a fault
 born in backward that reaches the gradients of everything before that module, and under expert
-parallelism the ranks that sent the module its tokens),
+parallelism the ranks that sent the module its tokens; ``param``: the weight this rank's optimizer
+steps, right before the step's update, so that one replica's copy silently differs from the
+others' from then on, as a card that corrupts memory would leave it),
 ``module`` (phases forward and backward only, required: fnmatch pattern on the global dotted
 module name, as ``named_modules()`` gives it without wrapper prefixes, e.g. ``decoder.layers.1.mlp``),
 ``factor`` (spike and growth), ``bit`` (bitflip only). A forward drill models a module whose
@@ -52,7 +54,7 @@ from .errors import ConfigError, exit_refused
 log = logging.getLogger("megatron_patches")
 
 KINDS = ("nan", "inf", "spike", "bitflip", "saturate", "poison", "growth", "kill")
-PHASES = ("grad", "local", "forward", "backward")
+PHASES = ("grad", "local", "param", "forward", "backward")
 MODULE_PHASES = ("forward", "backward")
 """Phases whose drills act on a module (``module=NAME``), not on a parameter's gradient."""
 _KEYS = ("step", "param", "rank", "count", "phase", "factor", "sample", "bit", "module")
@@ -263,7 +265,8 @@ class Injector:
         module phases, a module among ``modules``. ``params`` and ``stepped`` are (global name,
         forward order); without ``param`` a spec targets forward order 0. Poison and kill act on
         any rank. Gathered over the job, :func:`unmatched` names the ranks that hold each target."""
-        targets = {"grad": list(stepped), "local": list(params)}
+        stepped = list(stepped)
+        targets = {"grad": stepped, "param": stepped, "local": list(params)}
         modules = list(modules)
         hits = []
         for spec in self.specs:
@@ -326,7 +329,8 @@ def _missed(spec: InjectionSpec, holders: list[int], params: list[str], modules:
     """Why ``spec`` would do nothing: the ranks that hold its target when it is bound to another,
     else the nearest names (from this rank's ``params`` or ``modules``)."""
     on = "" if spec.rank is None else f" on rank {spec.rank}"
-    among = f" among the gradients the optimizer steps{on}" if spec.phase == "grad" else on
+    among = {"grad": f" among the gradients the optimizer steps{on}",
+             "param": f" among the weights the optimizer steps{on}"}.get(spec.phase, on)
     if spec.phase in MODULE_PHASES:
         pattern, names, why = spec.module, modules, f"no module matches {spec.module!r}{on}"
     elif spec.param is None:

@@ -153,10 +153,13 @@ class GradMonitor:
         return self._check(optimizer, entries, step)
 
     def _drill_grads(self, optimizer: Any, entries: list, step: int) -> None:
-        """The phase=grad drills of ``step``, on the gradients the optimizer steps."""
+        """The phase=grad and phase=param drills of ``step``: on the gradients the optimizer steps,
+        and on its weights (``.data``: no autograd record of the change)."""
         run = self.state
         grads = [(e.info.name, e.info.order, g) for e, g in run.seams.current_grads(optimizer, entries) if g is not None]
-        run.counters["injected"] += len(run.drills.apply(step, "grad", self.rank, grads))
+        weights = [(e.info.name, e.info.order, e.main.data) for e in entries]
+        fired = run.drills.apply(step, "grad", self.rank, grads) + run.drills.apply(step, "param", self.rank, weights)
+        run.counters["injected"] += len(fired)
 
     def before_direct_clip(self, optimizer: Any) -> None:
         """``clip_grad_norm`` called without ``prepare_grads`` first: check, zero bad grads."""

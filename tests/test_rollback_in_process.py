@@ -16,7 +16,7 @@ import re
 import pytest
 
 from conftest import run_packaged_loop
-from megatron_patches.seams import megatron_lm_state
+from megatron_patches.seams import megatron_lm_inprocess, megatron_lm_state
 from megatron_patches.testing import step_probe
 from test_megatron_lm import FC1, TINY, _packaged_loop_available, guard_env, incidents, iterations
 
@@ -46,13 +46,13 @@ LAYOUTS = {
 REDONE = re.compile(r"\[megatron_patches\] redone iteration\s+(\d+)/\s*\d+ \| lm loss: ([^ |]+)")
 
 
-def train(tmp_path, name: str, *flags: str, drill: str | None = None, config: dict = EXACT) -> dict:
-    """One run of ITERS iterations on 2 ranks: its exit code, output, probe lines and records."""
+def train(tmp_path, name: str, *flags: str, drill: str | None = None, config: dict = EXACT, iters: int = ITERS) -> dict:
+    """One run of ``iters`` iterations on 2 ranks: its exit code, output, probe lines and records."""
     where = tmp_path / name
     where.mkdir()
     env = {**guard_env(where, inject=[drill] if drill else [], **config), step_probe.ENV: str(where / "probe")}
     ckpt = where / "ckpt"
-    code, output = run_packaged_loop(env, [*TINY, "--train-iters", str(ITERS), "--save", str(ckpt), "--load", str(ckpt),
+    code, output = run_packaged_loop(env, [*TINY, "--train-iters", str(iters), "--save", str(ckpt), "--load", str(ckpt),
                                            "--save-interval", "100", *flags])
     probes = step_probe.read(where / "probe")
     last = {rank: {line["iteration"]: line for line in lines} for rank, lines in probes.items()}  # a redo's line wins
@@ -116,3 +116,37 @@ def test_without_the_data_position_restored_the_rollback_is_not_exact(tmp_path, 
     final = {rank: lines[ITERS] for rank, lines in digests(run).items()}
     assert final != {rank: lines[ITERS] for rank, lines in digests(baseline).items()}
 
+
+
+CORRUPTED = 8
+DIVERGENCE = {"recovery": {**EXACT["recovery"], "snapshots_kept": 4},
+              "detectors": {"consistency": {"target": "params", "sample_fraction": 0.25}},
+              "response": {"recur_count": 1}}
+"""Replicas compared on their weights, a quarter of the tensors per check (each tensor every 4th
+check); any incident an error, so the first finding rolls back."""
+FLIP = f"bitflip:step={CORRUPTED},rank=1,phase=param,param={FC1},bit=0"
+"""Rank 1's copy of fc1 loses its lowest mantissa bit right before iteration 8's update: no NaN, no
+spike, only the two replicas no longer agree."""
+
+
+def test_a_replica_corrupted_before_a_snapshot_rolls_back_to_a_target_before_the_corruption(tmp_path, monkeypatch):
+    """DP2 fp32: the corruption is found at the check that next reads fc1 (iteration 11 here), after
+    the snapshot of iteration 8, which holds the corrupted copy, was certified by the check of 9,
+    which did not read fc1. The divergence dates back one round of the detector (4 checks): every
+    snapshot from iteration 7 on is passed over, the target precedes the corruption, and the
+    replicas agree again at the end, as in the run without the fault. Without the dating (the
+    negative control), the rollback goes to the snapshot of iteration 8."""
+    baseline = train(tmp_path, "clean", iters=16, config=DIVERGENCE)
+    run = train(tmp_path, "dated", drill=FLIP, iters=16, config=DIVERGENCE)
+    assert run["code"] == 0, run["output"][-6000:]
+    found = run["incidents"]
+    assert found and "rank_mismatch" in found[0]["kinds"] and found[0]["action"] == "rollback", found
+    assert (found[0]["step"], found[0]["rolled_back_to"]) == (11, 6)  # 8 certified at 9, passed over
+    assert digests(run) == digests(baseline)
+    final = {rank: lines[16] for rank, lines in digests(run).items()}
+    assert final[0][0] == final[1][0]  # the replicas' weights agree again
+
+    monkeypatch.setattr(megatron_lm_inprocess.InProcessRollback, "_coverage_steps", lambda self: 0)
+    undated = train(tmp_path, "undated", drill=FLIP, iters=16, config=DIVERGENCE)
+    target = undated["incidents"][0]["rolled_back_to"]
+    assert target == CORRUPTED, undated["incidents"][0]  # the snapshot holding the corrupted copy

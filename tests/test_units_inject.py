@@ -77,7 +77,7 @@ REFUSED = [
     ("nan:step=1,rank=one", "rank must be an integer, got 'one'"),
     ("nan:step=1,count=0", "count must be >= 1, got 0"),
     ("nan:step=1,sample=2", "sample applies to poison only"),
-    ("nan:step=1,phase=sideways", "phase must be one of grad, local, forward, backward, got 'sideways'"),
+    ("nan:step=1,phase=sideways", "phase must be one of grad, local, param, forward, backward, got 'sideways'"),
     ("nan:step=1,phase=backward", "phase=backward takes module=NAME"),
     ("nan:step=1,phase=forward", "phase=forward takes module=NAME"),
     ("nan:step=1,phase=forward,module=m,param=p", "phase=forward takes module=NAME"),
@@ -196,6 +196,27 @@ def test_a_grad_drill_is_held_where_the_optimizer_steps_its_gradient_and_a_modul
     assert ("'spike:step=2,phase=backward,module=decoder.layers.1.mlp,rank=0' (no module matches "
             "'decoder.layers.1.mlp' on rank 0; held on rank(s) 1: ") in line
     assert f"'nan:step=2,param={NAMES[2]},rank=1' (" not in line and "phase=local" not in line
+
+
+def test_a_weight_drill_is_held_where_the_optimizer_steps_the_weight_and_flips_it_in_place():
+    """phase=param acts on the weight this rank's optimizer steps (under the distributed optimizer
+    its shard only): refused elsewhere like a phase=grad drill, and a bit flip there changes the
+    weight itself, one element, nothing else."""
+    import torch
+
+    from megatron_patches.inject import Injector, unmatched
+
+    drills = Injector([parse_spec(f"bitflip:step=2,param={NAMES[2]},rank=0,phase=param,bit=0")])
+    params = [(name, order) for order, name in enumerate(NAMES)]
+    line = unmatched(drills, [drills.holds(params, params[:2], MODULES[:2]), drills.holds(params, params[2:], MODULES[2:])],
+                     NAMES, MODULES)
+    assert (f"(no parameter matches '{NAMES[2]}' among the weights the optimizer steps on rank 0; held on "
+            "rank(s) 1: ") in line
+    weight = torch.ones(3)
+    held = Injector([parse_spec(f"bitflip:step=2,param={NAMES[2]},phase=param,bit=0")])
+    assert held.apply(2, "grad", 0, [(NAMES[2], 2, weight)]) == []  # another phase: untouched
+    assert len(held.apply(2, "param", 0, [(NAMES[2], 2, weight)])) == 1
+    assert weight[0].item() != 1.0 and abs(weight[0].item() - 1.0) < 1e-6 and weight[1:].tolist() == [1.0, 1.0]
 
 
 @pytest.mark.parametrize("ranks, said", [([3], "3"), ([0, 1, 2, 5], "0-2, 5"), ([1, 3, 4, 5, 7], "1, 3-5, 7")])

@@ -36,6 +36,7 @@ import torch
 from .. import collectives, recovery, safe_mode, snapshots
 from ..callbacks import Callback
 from ..decisions import Action, Decision
+from ..detectors.base import Rotation
 from ..incidents import IN_MEMORY, Incident
 from ..ledger import Ledger
 from ..protocols import Guard
@@ -44,6 +45,9 @@ from .megatron_lm_checkpoints import newest_healthy_iteration, warn0
 from .megatron_lm_state import install_tapes, live_tensors, restore_values, small_values
 
 log = logging.getLogger("megatron_patches")
+
+DIVERGED = "rank_mismatch"
+"""The consistency detector's kind: data-parallel replicas that should agree bit for bit don't."""
 
 IN_PLACE_FEATURES = ("dropout",)
 """Safe-mode features switched off in the live model; any other one needs a rebuilt model (restart)."""
@@ -81,6 +85,8 @@ class InProcessRollback(Callback):
         self._result: Any = None
         self.applied_scale = restart.ledger.lr_scale
         """The learning-rate scale the live param groups and scheduler carry."""
+        self._suspect_since: Optional[int] = None
+        """Rank 0: the earliest step this episode's replica divergence may date from (no target after it)."""
         monitor.add_callback(self)
         monitor.attach(self, restart.ledger.rollbacks)
 
@@ -104,6 +110,16 @@ class InProcessRollback(Callback):
         self._episode_iterations.append(int(decision.step))
         if incident is not None and incident.batch is not None:  # rank 0, every rank's samples
             self.episode_samples += incident.batch.get("samples", [])
+        if incident is not None and DIVERGED in incident.kinds:  # rank 0: when could it have begun?
+            since = int(decision.step) - self._coverage_steps()
+            self._suspect_since = since if self._suspect_since is None else min(self._suspect_since, since)
+
+    def _coverage_steps(self) -> int:
+        """Steps the consistency detector takes to read every tensor once: a replica found to differ
+        now was last seen agreeing at most this long ago."""
+        cfg = self.monitor.config
+        consistency = cfg.detectors.consistency
+        return Rotation(consistency.interval, consistency.sample_fraction).period * consistency.interval * cfg.check_interval
 
     def wants_replay(self, decision: Decision) -> bool:
         """A rollback's record waits for its outcome (target, LR, iterations left out)."""
@@ -133,7 +149,7 @@ class InProcessRollback(Callback):
         episode = Episode(decision.step, decision)
         for step in IN_PROCESS_CHAIN:
             episode = step(self, episode)
-        self._episode_iterations, self.episode_samples = [], []
+        self._episode_iterations, self.episode_samples, self._suspect_since = [], [], None
         return self._result
 
     def _snapshot(self, iteration: int, bound: inspect.BoundArguments) -> None:
@@ -220,19 +236,32 @@ def choose_target(run: InProcessRollback, episode: Episode) -> Episode:
     already = safe_mode.expand(run.ledger.disabled_features)  # off since the job started
     rebuilt = [name for name in safe_mode.expand(wanted) if name not in already and name not in IN_PLACE_FEATURES]
     held = collectives.gather_to_zero((run.store.certified(), run._tapes is not None), run.monitor.peers)
+    since = run._suspect_since  # rank 0: a diverged replica disqualifies every target it may be in
+    candidates = [[step for step in steps if since is None or step < since] for steps, _ in held]
     agreed = collectives.broadcast_from_zero(
-        (snapshots.common_newest([steps for steps, _ in held]), all(taped for _, taped in held)) if held else None,
+        (snapshots.common_newest(candidates), all(taped for _, taped in held), since) if held else None,
         run.monitor.peers)
-    target, taped = agreed
-    disk = newest_healthy_iteration(run.restart.checkpoint_root)
-    why = (f"recovery switches off {', '.join(rebuilt)}, which needs the model built again" if rebuilt
-           else "the loop's data iterator is not Megatron's RerunDataIterator, so its batches are not taped"
-           if not taped else "no in-memory snapshot is certified on every rank yet" if target is None
-           else f"the healthy checkpoint of iteration {disk} is newer than the newest certified snapshot "
-                f"({target})" if disk is not None and disk > target else None)
+    target, taped, since = agreed
+    why = _why_not_in_process(rebuilt, taped, target, since, newest_healthy_iteration(run.restart.checkpoint_root))
     if why is not None:
         run.fall_back(episode.decision, why)
     return replace(episode, resume_at=target + 1)
+
+
+def _why_not_in_process(rebuilt: list, taped: bool, target: Optional[int], since: Optional[int],
+                        disk: Optional[int]) -> Optional[str]:
+    """Why this rollback must be made by a restart (None: it can be made in process)."""
+    if rebuilt:
+        return f"recovery switches off {', '.join(rebuilt)}, which needs the model built again"
+    if not taped:
+        return "the loop's data iterator is not Megatron's RerunDataIterator, so its batches are not taped"
+    if target is None and since is not None:
+        return f"no certified in-memory snapshot predates iteration {since}, from which a diverged replica may date"
+    if target is None:
+        return "no in-memory snapshot is certified on every rank yet"
+    if disk is not None and disk > target:
+        return f"the healthy checkpoint of iteration {disk} is newer than the newest certified snapshot ({target})"
+    return None
 
 
 def skip_iterations(run: InProcessRollback, episode: Episode) -> Episode:

@@ -1,0 +1,52 @@
+"""In-memory snapshots without ranks (megatron_patches.snapshots): which become rollback targets,
+which a flagged check drops, which one gives way to a new one, and what the ranks agree on."""
+
+import torch
+
+from megatron_patches.snapshots import SnapshotStore, common_newest, restore
+
+
+def store_with(steps: list[int], kept: int = 4, certify: int = 1) -> tuple[SnapshotStore, list]:
+    store, live = SnapshotStore(interval=2, kept=kept, certify_steps=certify), [torch.zeros(3)]
+    for step in steps:
+        live[0].fill_(step)
+        store.take(step, live, {"step": step})
+    return store, live
+
+
+def test_a_snapshot_becomes_a_target_after_its_clean_checks_and_a_flag_drops_those_waiting():
+    store, _ = store_with([2, 4], certify=2)
+    store.note_check(3, flagged=False)  # one clean check for 2
+    assert store.certified() == []
+    store.note_check(4, flagged=False)
+    assert store.certified() == [2] and store.get(2).certified_at == 4
+    store.note_check(5, flagged=True)  # 4 had one clean check only: dropped; 2 stays a target
+    assert [s.step for s in store.snapshots] == [2] and store.certified() == [2]
+
+
+def test_the_newest_certified_snapshot_is_never_the_one_to_give_way():
+    store, live = store_with([2], kept=2)
+    store.note_check(3, flagged=False)
+    live[0].fill_(4)
+    store.take(4, live, {})
+    live[0].fill_(6)
+    store.take(6, live, {})  # 4 is still waiting: it goes, the only target stays
+    assert [s.step for s in store.snapshots] == [2, 6] and store.certified() == [2]
+
+
+def test_restore_copies_back_in_place_and_refuses_another_layout():
+    store, live = store_with([2, 4])
+    view = live[0][:2]  # a view of the live tensor (DDP's buffers) sees the restored values
+    restore(store.get(2), live)
+    assert view.tolist() == [2.0, 2.0] and live[0].tolist() == [2.0, 2.0, 2.0]
+    try:
+        restore(store.get(2), live + [torch.zeros(1)])
+    except RuntimeError as error:
+        assert "holds 1 tensors, the run has 2 now" in str(error)
+    else:
+        raise AssertionError("a snapshot restored into another layout")
+
+
+def test_the_ranks_agree_on_the_newest_step_all_of_them_hold():
+    assert common_newest([[2, 4, 6], [2, 4], [4, 6]]) == 4
+    assert common_newest([[2], [4]]) is None and common_newest([]) is None
