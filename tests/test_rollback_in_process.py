@@ -150,3 +150,11 @@ def test_a_replica_corrupted_before_a_snapshot_rolls_back_to_a_target_before_the
     undated = train(tmp_path, "undated", drill=FLIP, iters=16, config=DIVERGENCE)
     target = undated["incidents"][0]["rolled_back_to"]
     assert target == CORRUPTED, undated["incidents"][0]  # the snapshot holding the corrupted copy
+
+
+def test_a_guarded_job_says_one_line_at_start(baseline):
+    """At the default log level the guard's start is one line on rank 0 (Megatron's own NaN check
+    being on, the default, is a debug line)."""
+    first = re.search(r"iteration\s+1/", baseline["output"])
+    started = [line for line in baseline["output"][:first.start()].splitlines() if line.startswith("[megatron_patches]")]
+    assert len(started) == 1 and started[0].startswith("[megatron_patches] guarding megatron-core "), started

@@ -209,8 +209,8 @@ class MegatronLMSession(Callback):
 
 def _advise(args: Any) -> None:
     if getattr(args, "check_for_nan_in_loss_and_grad", False):
-        log.info("Megatron's NaN check is on: on checked steps its rerun verdict goes into the record "
-                 "and the guard decides (docs/megatron_lm.md)")
+        log.debug("Megatron's NaN check is on: on checked steps its rerun verdict goes into the record "
+                  "and the guard decides (docs/megatron_lm.md)")
 
 
 def _refuse_unsupported(args: Any) -> None:
