@@ -34,16 +34,18 @@ def headline(rec: dict) -> str:
     return f"step {text_of(rec.get('step'))} {text_of(rec.get('severity'))} {text_of(rec.get('kind'))}: {message}"
 
 
-def expert_text(expert: Any, ranks: Optional[dict] = None) -> str:
+def expert_text(expert: Any, ranks: Optional[dict] = None, sliced: bool = False) -> str:
     """``expert G (EP rank E)`` for a finding's ``expert`` field and the ranks holding it, or for
-    a forward origin's (one expert or a list, each with its own ``ep``)."""
+    a forward origin's (one expert or a list, each with its own ``ep``). ``sliced``: the finding
+    is one expert-TP rank's slice of the expert's weight (it has a ``full_shape``)."""
     if isinstance(expert, list):
         return ", ".join(expert_text(e) for e in expert if isinstance(e, dict))
     ranks = ranks if ranks is not None else expert
     text = f"expert {text_of(expert.get('global'))}"
     if "ep" in ranks:
         text += f" (EP rank {text_of(ranks.get('ep'))}"
-        text += f", expert-DP rank {text_of(ranks.get('edp'))})" if "edp" in ranks else ")"
+        text += f", expert-DP rank {text_of(ranks.get('edp'))}" if "edp" in ranks else ""
+        text += f", expert-TP rank {text_of(ranks.get('etp'))})" if sliced else ")"
     return text
 
 
@@ -58,12 +60,14 @@ def _where(param: dict) -> str:
         rank += " (" + ", ".join(f"{k} {text_of(ranks.get(k))}" for k in ("tp", "pp", "dp")) + ")"
     expert = param.get("expert") if isinstance(param.get("expert"), dict) else None
     if expert is not None:  # mixture-of-experts: which expert, and the EP rank holding it
-        rank += f", {expert_text(expert, ranks)}"
+        rank += f", {expert_text(expert, ranks, sliced=bool(param.get('full_shape')))}"
     parts = [
         f"{param.get('name', '?')}" + (f" (layer {layer})" if layer is not None else " (not in a layer)"),
         rank,
         f"host {text_of(param.get('host'))}" + (f" {param['device']}" if param.get("device") else ""),
     ]
+    if isinstance(param.get("full_shape"), list):
+        parts.append(f"slice {param.get('shape')} of {param['full_shape']}")
     if counts:
         parts.append(counts)
     elif isinstance(norm, (int, float)):

@@ -59,6 +59,9 @@ class ParamFinding:
     expert: Optional[dict] = None
     """``{"global": G, "local": K}`` for a routed expert's parameter (mixture-of-experts); None
     (left out of the record) for every other parameter."""
+    full_shape: Optional[list[int]] = None
+    """The whole weight's shape where ``shape`` is this rank's tensor-parallel (or expert-TP) slice
+    of it; None (left out of the record) for a weight held whole."""
 
     @classmethod
     def located(cls, info: Any, ranks: dict[str, int], **fields: Any) -> "ParamFinding":
@@ -68,14 +71,16 @@ class ParamFinding:
         if info is None:
             return cls(name=f"<unnamed {tuple(fields['shape'])}>", layer=None, order=-1, ranks=ranks, **fields)
         expert = {"global": info.expert[0], "local": info.expert[1]} if info.expert is not None else None
+        full = list(info.full_shape) if info.full_shape is not None else None
         return cls(name=info.name, layer=info.layer, order=info.order, ranks=naming.param_ranks(ranks, info),
-                   expert=expert, **fields)
+                   expert=expert, full_shape=full, **fields)
 
     def as_record(self) -> dict:
-        """The finding as the record holds it (``expert`` only where there is one)."""
+        """The finding as the record holds it (``expert`` and ``full_shape`` only where there is one)."""
         out = asdict(self)
-        if out["expert"] is None:
-            del out["expert"]
+        for optional in ("expert", "full_shape"):
+            if out[optional] is None:
+                del out[optional]
         return out
 
 

@@ -43,6 +43,9 @@ class ParamInfo:
     expert: Optional[tuple[int, int]] = None
     """(global, local) index of the routed expert it belongs to (:func:`expert_of`); None outside
     the experts (dense layers, routers, shared experts)."""
+    full_shape: Optional[tuple[int, ...]] = None
+    """The whole weight's shape where this rank holds a tensor-parallel slice of it (the split
+    dimension times the TP size, or the expert-TP size for a routed expert's); None otherwise."""
 
 
 def _strip_wrappers(name: str) -> str:
@@ -266,5 +269,21 @@ def name_parameters(model_chunks: list) -> dict[int, ParamInfo]:
                 counts_in_norm=counts_in_norm(param, tp_rank, etp_rank),
                 chunk=chunk_index,
                 expert=expert_of(name, ep_rank, per_rank) if per_rank else None,
+                full_shape=_full_shape(param, ps),
             )
     return infos
+
+
+def _full_shape(param: Any, ps: Any) -> Optional[tuple[int, ...]]:
+    """The shape of the weight ``param`` is a tensor-parallel slice of (None when it is whole)."""
+    dim = getattr(param, "partition_dim", -1)
+    if ps is None or not getattr(param, "tensor_model_parallel", False) or not 0 <= dim < param.dim():
+        return None
+    expert = not getattr(param, "allreduce", True)
+    ways = (int(getattr(ps, "get_expert_tensor_parallel_world_size", lambda: 1)() or 1) if expert
+            else ps.get_tensor_model_parallel_world_size())
+    if ways <= 1:
+        return None
+    shape = list(param.shape)
+    shape[dim] *= ways
+    return tuple(shape)

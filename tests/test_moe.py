@@ -366,7 +366,10 @@ def test_an_expert_tensor_parallel_shard_is_named_with_its_expert_and_ranks_and_
     assert first["name"] == EXPERT_FC1.format(k=0) and first["expert"] == expected["expert"]
     assert {k: first["ranks"][k] for k in ("global", "tp", "ep", "edp", "etp")} == \
         {"global": 3, "tp": 1, **expected["ranks"]}
-    assert first["shape"] == [128, 64]  # this rank's half of the expert's [256, 64] linear_fc1 weight
+    assert first["shape"] == [128, 64] and first["full_shape"] == [256, 64]  # rank 3's half of the weight
+    text = report_text(tmp_path)
+    assert (f"expert {expected['expert']['global']} (EP rank {expected['ranks']['ep']}, expert-DP rank "
+            f"{expected['ranks']['edp']}, expert-TP rank 1)") in text and "slice [128, 64] of [256, 64]" in text, text
     assert [p["ranks"]["global"] for p in incident["pre_reduction"]] == [3]
     history = [json.loads(line) for line in (tmp_path / "reports" / "grad_history.jsonl").read_text().splitlines()]
     printed = {step: float(line.split("grad norm: ")[1].split()[0])
