@@ -39,6 +39,10 @@ setup(
         "test": ["pytest>=7", "matplotlib", "tensorboard", "wandb", "einops", *MEGATRON_LM_IMPORTS],
         "plot": ["matplotlib"],
         "tensorboard": ["tensorboard"],
+        # Megatron-Bridge's loop (Python 3.12 only; tests/test_bridge.py, docs/bridge.md). Its wheel
+        # requires fast-hadamard-transform, an sdist built with nvcc: on a CPU-only machine follow
+        # docs/bridge.md instead of installing this extra.
+        "bridge": ["megatron-bridge>=0.6.2,<0.7"],
     },
     entry_points={"console_scripts": ["megatron-patches=megatron_patches.cli:main"]},
 )
