@@ -202,9 +202,8 @@ class MegatronLMSession(Callback):
 
     def before_exit(self, decision: Any) -> None:
         """Before any exit of the guard (and before the ledger is written): pending async saves
-        finished and marked. Nothing to finish without --save/--load."""
-        if self.rollback is not None:
-            self.marks.finalize(decision)
+        finished and marked."""
+        self.marks.finalize(decision)
 
 
 def _advise(args: Any) -> None:
