@@ -313,7 +313,6 @@ class Injector:
         return done
 
 
-
 def _rank_list(ranks: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``0-2, 5``: one short line however many ranks hold a target."""
     runs: list[list[int]] = []
@@ -370,8 +369,19 @@ def refuse_unmatched(injector: Injector, chunks: list, rank: int, stepped: Itera
     like a miss. ``stepped``: (entry, gradient or None) of what this rank's optimizer steps, as
     :meth:`~megatron_patches.protocols.Seams.current_grads` yields them; a phase=grad drill acts
     there only (under the distributed optimizer, on the ranks whose shard holds the parameter).
-    Nothing to match without drills or without a registered model."""
-    if not injector.specs or not chunks:
+    Drills with no registered model (``chunks`` None: the optimizer was built by a function the guard
+    never wrapped, as when megatron's optimizer is imported before the opt-in line) are refused too."""
+    if not injector.specs:
+        return
+    blind = [] if chunks else [spec.text for spec in injector.specs if spec.kind not in ("poison", "kill")]
+    if blind:  # poison and kill need no model
+        if rank == 0:
+            log.error("drills %s cannot act: the guard does not know this optimizer's model (it was built by a "
+                      "get_megatron_optimizer imported before megatron_patches.apply, or by a custom loop): put "
+                      "'import megatron_patches.apply' first, or call megatron_patches.seams.wrappers.register_model("
+                      "optimizer, model_chunks)", ", ".join(map(repr, blind)))
+        exit_refused(rank)
+    if not chunks:
         return
     params = [(info.name, info.order) for info in naming.name_parameters(chunks).values()]
     grads = [(entry.info.name, entry.info.order) for entry, grad in stepped if grad is not None and grad.numel()]

@@ -219,6 +219,19 @@ def test_a_weight_drill_is_held_where_the_optimizer_steps_the_weight_and_flips_i
     assert weight[0].item() != 1.0 and abs(weight[0].item() - 1.0) < 1e-6 and weight[1:].tolist() == [1.0, 1.0]
 
 
+def test_drills_for_an_optimizer_whose_model_the_guard_never_saw_are_refused(guard_log):
+    """An optimizer built by a get_megatron_optimizer imported before the guard (Megatron-Bridge did
+    that when the opt-in line came after its imports): no names, so a drill would fire into nothing
+    and the run would look clean. Refused on every rank with one line; a poison drill needs no model."""
+    from megatron_patches.inject import Injector, refuse_unmatched
+
+    with pytest.raises(SystemExit) as stopped:
+        refuse_unmatched(Injector([parse_spec("nan:step=3")]), None, 0, [])
+    assert stopped.value.code == 2
+    assert "drills 'nan:step=3' cannot act: the guard does not know this optimizer's model" in guard_log.text
+    refuse_unmatched(Injector([parse_spec("poison:sample=7")]), None, 0, [])  # goes on
+
+
 @pytest.mark.parametrize("ranks, said", [([3], "3"), ([0, 1, 2, 5], "0-2, 5"), ([1, 3, 4, 5, 7], "1, 3-5, 7")])
 def test_the_holding_ranks_are_written_as_runs(ranks, said):
     from megatron_patches.inject import _rank_list
