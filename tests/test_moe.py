@@ -189,6 +189,18 @@ def moe_run(tmp_path: Path, *extra: str, drill: str | None = None, nproc: int = 
     return proc
 
 
+def assert_guard_norm_is_megatrons(tmp_path: Path, output: str, steps: list[int]) -> None:
+    """Megatron printed a grad norm on exactly ``steps`` (the others were skipped), and on each the
+    guard's own total norm (grad_history.jsonl) is that norm to the digits Megatron prints."""
+    history = [json.loads(line) for line in (tmp_path / "reports" / "grad_history.jsonl").read_text().splitlines()]
+    printed = {step: float(line.split("grad norm: ")[1].split()[0])
+               for step, line in iterations(output).items() if "grad norm: " in line}
+    assert sorted(printed) == steps and {h["step"] for h in history} >= set(steps)
+    for h in history:
+        if h["step"] in printed:
+            assert round(h["total_norm"], 3) == printed[h["step"]], (h, printed)
+
+
 @needs_packaged_loop
 @pytest.mark.multiproc
 @pytest.mark.parametrize("layout, nproc", [
@@ -324,13 +336,7 @@ def test_experts_beside_tensor_parallel_are_named_and_the_guards_norm_is_megatro
     first = incident["first"]
     assert first["expert"] == {"global": 2, "local": 0}
     assert {k: first["ranks"][k] for k in ("tp", "dp", "ep", "edp")} == {"tp": 1, "dp": 1, "ep": 1, "edp": 1}
-    history = [json.loads(line) for line in (tmp_path / "reports" / "grad_history.jsonl").read_text().splitlines()]
-    printed = {step: float(line.split("grad norm: ")[1].split()[0])
-               for step, line in iterations(proc.stdout).items() if "grad norm: " in line}
-    assert sorted(printed) == [1, 2, 4] and {h["step"] for h in history} >= {1, 2, 4}
-    for h in history:
-        if h["step"] in printed:
-            assert round(h["total_norm"], 3) == printed[h["step"]], (h, printed)
+    assert_guard_norm_is_megatrons(tmp_path, proc.stdout, steps=[1, 2, 4])
 
 
 # --- experts split over expert-tensor-parallel ranks (issue 39) ----------------------------------
@@ -371,13 +377,7 @@ def test_an_expert_tensor_parallel_shard_is_named_with_its_expert_and_ranks_and_
     assert (f"expert {expected['expert']['global']} (EP rank {expected['ranks']['ep']}, expert-DP rank "
             f"{expected['ranks']['edp']}, expert-TP rank 1)") in text and "slice [128, 64] of [256, 64]" in text, text
     assert [p["ranks"]["global"] for p in incident["pre_reduction"]] == [3]
-    history = [json.loads(line) for line in (tmp_path / "reports" / "grad_history.jsonl").read_text().splitlines()]
-    printed = {step: float(line.split("grad norm: ")[1].split()[0])
-               for step, line in iterations(proc.stdout).items() if "grad norm: " in line}
-    assert sorted(printed) == [1, 2, 4] and {h["step"] for h in history} >= {1, 2, 4}
-    for h in history:
-        if h["step"] in printed:
-            assert round(h["total_norm"], 3) == printed[h["step"]], (h, printed)
+    assert_guard_norm_is_megatrons(tmp_path, proc.stdout, steps=[1, 2, 4])
 
 
 @needs_packaged_loop
