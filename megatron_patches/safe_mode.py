@@ -88,3 +88,17 @@ def switch_off(args: Any, names: Any) -> tuple[list[str], list[str]]:
         else:
             already.append(name)
     return changed, already
+
+
+def dropout_off(modules: Any) -> None:
+    """Dropout switched off in a live model's ``modules`` (``model.modules()`` of each chunk): every
+    ``torch.nn.Dropout`` at p 0, and the layers' own float rates (``hidden_dropout``,
+    ``attention_dropout``) at 0. The one feature that changes without building the model again."""
+    import torch
+
+    for module in modules:
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for attribute in ("hidden_dropout", "attention_dropout"):
+            if isinstance(getattr(module, attribute, None), float):
+                setattr(module, attribute, 0.0)

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 
+from .. import safe_mode
 from ..collectives import all_gather_floats
 from ..errors import UserError
 from .build import build_corpus, build_model, build_optimizer
@@ -183,11 +184,7 @@ class TinyTrainer:
             log.info("safe mode: %s is not used by the harness (already off)", name)
             return
         self.config.hidden_dropout = self.config.attention_dropout = 0.0
-        for module in self.model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
-            if isinstance(getattr(module, "hidden_dropout", None), float):
-                module.hidden_dropout = 0.0
+        safe_mode.dropout_off(self.model.modules())
 
     def save(self, step: int, healthy: bool) -> None:
         from .checkpoints import save_checkpoint
