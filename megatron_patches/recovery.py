@@ -274,7 +274,8 @@ class ExitAndRestart(Callback):
         self.config = monitor.config.recovery
         self.ledger = Ledger.load(checkpoint_root)
         self._request_fields = request_fields
-        self._episode_samples: list = []
+        self.episode_samples: list = []
+        """Rank 0: every rank's samples of this episode's incidents (``blacklist: always``)."""
         monitor.drills.spend(self.ledger.spent_injections)
         monitor.add_callback(self)
         monitor.attach(self, self.ledger.rollbacks)
@@ -282,7 +283,7 @@ class ExitAndRestart(Callback):
     def on_decision(self, decision: Decision, incident: Optional[Incident]) -> None:
         """Rank 0 collects the episode's samples from the incident (every rank's)."""
         if incident is not None and incident.batch is not None:  # rank 0, with every rank's samples
-            self._episode_samples += incident.batch.get("samples", [])
+            self.episode_samples += incident.batch.get("samples", [])
 
     def settle_exit(self, decision: Decision) -> Decision:
         """Rank 0 writes the ledger for the restart. Where it cannot, a restart would resume
@@ -295,12 +296,12 @@ class ExitAndRestart(Callback):
         if self.monitor.rank != 0:
             return decision
         # The loop that reads the ledger at start-up switches the features off.
-        self.ledger.record_rollback(self.config, self._episode_samples if self.config.blacklist == "always" else [])
+        self.ledger.record_rollback(self.config, self.episode_samples if self.config.blacklist == "always" else [])
         fields = self._request_fields() if self._request_fields is not None else {}
         self.ledger.rollback_requested = {"from_step": self.monitor.step, **fields}
         self.ledger.spent_injections = sorted(set(self.ledger.spent_injections) | fired)
         self.ledger.events.append({"step": self.monitor.step, "exit": codes.rollback, "lr_scale": self.ledger.lr_scale,
-                                   "blacklisted": len(self._episode_samples),
+                                   "blacklisted": len(self.episode_samples),
                                    **({"skip_iterations": fields["skip_iterations"]} if "skip_iterations" in fields else {})})
         try:
             self.ledger.save(self.checkpoint_root)

@@ -122,7 +122,7 @@ class MegatronLMSession(Callback):
             exit_refused(collectives.rank())
         self.rollback.before_load(args, optimizer)
         if self.monitor.config.recovery.mode == "in_process":
-            self.in_process = InProcessRollback(self.monitor, self.rollback.restart, self.before_step)
+            self.in_process = InProcessRollback(self.monitor, self.rollback, self.before_step)
 
     # -- around each iteration ------------------------------------------------------------------
 

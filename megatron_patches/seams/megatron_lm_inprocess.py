@@ -42,6 +42,7 @@ from ..ledger import Ledger
 from ..protocols import Guard
 from ..recovery import Episode
 from .megatron_lm_checkpoints import newest_healthy_iteration, warn0
+from .megatron_lm_rollback import Rollback
 from .megatron_lm_state import install_tapes, live_tensors, restore_values, small_values
 
 log = logging.getLogger("megatron_patches")
@@ -63,36 +64,47 @@ class InProcessRollback(Callback):
     in_process = True
     replays = False
 
-    def __init__(self, monitor: Guard, restart: recovery.ExitAndRestart, before_step: Callable[[Any, Any], None]):
-        """``before_step(optimizer, scheduler)``: what the loop integration does before each
-        ``train_step`` (tell the guard the iteration and batch), run again for each redone one."""
+    def __init__(self, monitor: Guard, rollback: Rollback, before_step: Callable[[Any, Any], None]):
+        """``rollback``: the ledger's side of this process (its exit-and-restart executor, and the
+        episode's iterations and samples it collects); ``before_step(optimizer, scheduler)``: what the
+        loop integration does before each ``train_step`` (tell the guard the iteration and batch),
+        run again for each redone one."""
         self.monitor = monitor
-        self.restart = restart
+        self.rollback = rollback
+        self.restart = rollback.restart
         self.before_step = before_step
         self.config = monitor.config.recovery
-        self.ledger_path = restart.ledger_path
+        self.ledger_path = self.restart.ledger_path
         """Named in the records: a rollback that falls back to a restart has its outcome there."""
         self.store = snapshots.SnapshotStore(self.config.snapshot_interval, self.config.snapshots_kept,
                                              self.config.certify_steps)
         self.loop = LiveLoop(self)
-        self.episode_samples: list = []
-        self._episode_iterations: list = []
         self._tapes: Optional[list] = None
         self._consumed: dict[int, int] = {}
         """consumed_train_samples at the start of each taped iteration."""
         self._call: Optional[tuple] = None
         """(train_step, its bound arguments) of the call that brought the decision."""
         self._result: Any = None
-        self.applied_scale = restart.ledger.lr_scale
+        self.applied_scale = self.restart.ledger.lr_scale
         """The learning-rate scale the live param groups and scheduler carry."""
         self._suspect_since: Optional[int] = None
         """Rank 0: the earliest step this episode's replica divergence may date from (no target after it)."""
         monitor.add_callback(self)
-        monitor.attach(self, restart.ledger.rollbacks)
+        monitor.attach(self, self.restart.ledger.rollbacks)
 
     @property
     def ledger(self) -> Ledger:
         return self.restart.ledger
+
+    @property
+    def episode_samples(self) -> list:
+        """Rank 0: the episode's samples, as the exit-and-restart executor collects them (one list:
+        a rollback made here ends the episode for a later restart too)."""
+        return self.restart.episode_samples
+
+    @episode_samples.setter
+    def episode_samples(self, samples: list) -> None:
+        self.restart.episode_samples = samples
 
     def save_ledger(self) -> None:
         recovery.save_in_process(self.ledger, self.restart.checkpoint_root, self.monitor.rank)
@@ -107,10 +119,9 @@ class InProcessRollback(Callback):
         self.store.note_check(step, flagged)
 
     def on_decision(self, decision: Decision, incident: Optional[Incident]) -> None:
-        self._episode_iterations.append(int(decision.step))
-        if incident is not None and incident.batch is not None:  # rank 0, every rank's samples
-            self.episode_samples += incident.batch.get("samples", [])
-        if incident is not None and DIVERGED in incident.kinds:  # rank 0: when could it have begun?
+        """Rank 0 dates a replica divergence (the episode's iterations and samples are collected by
+        ``rollback`` and its executor, callbacks too)."""
+        if incident is not None and DIVERGED in incident.kinds:  # when could it have begun?
             since = int(decision.step) - self._coverage_steps()
             self._suspect_since = since if self._suspect_since is None else min(self._suspect_since, since)
 
@@ -149,7 +160,7 @@ class InProcessRollback(Callback):
         episode = Episode(decision.step, decision)
         for step in IN_PROCESS_CHAIN:
             episode = step(self, episode)
-        self._episode_iterations, self.episode_samples, self._suspect_since = [], [], None
+        self.rollback.episode_steps, self.episode_samples, self._suspect_since = [], [], None  # the episode is over
         return self._result
 
     def _snapshot(self, iteration: int, bound: inspect.BoundArguments) -> None:
@@ -204,13 +215,7 @@ class LiveLoop:
     def disable_feature(self, name: str) -> None:
         """Dropout off in the live model (the only feature that changes in place, checked first)."""
         model, _, _ = _state_of(self.run._call[1])
-        for chunk in model:
-            for module in chunk.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
-                for attribute in ("hidden_dropout", "attention_dropout"):
-                    if isinstance(getattr(module, attribute, None), float):
-                        setattr(module, attribute, 0.0)
+        safe_mode.dropout_off(module for chunk in model for module in chunk.modules())
 
 
 def _state_of(bound: inspect.BoundArguments) -> tuple:
@@ -268,7 +273,7 @@ def skip_iterations(run: InProcessRollback, episode: Episode) -> Episode:
     """Under ``blacklist: always`` the redo leaves out every iteration of the episode."""
     if not episode.rolls_back or run.config.blacklist != "always":
         return episode
-    skipped = tuple(sorted(set(run._episode_iterations)))
+    skipped = tuple(sorted(set(run.rollback.episode_steps)))
     return replace(episode, outcome=replace(episode.outcome, iterations_skipped=skipped))
 
 

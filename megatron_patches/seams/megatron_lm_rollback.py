@@ -117,7 +117,8 @@ class Rollback(Callback):
 
         self.monitor = monitor
         self.root = root
-        self._episode_steps: list = []
+        self.episode_steps: list = []
+        """Every rank: the iterations of this episode's incidents (a restart skips them under ``blacklist: always``)."""
         self._lr_bounds: dict = {}
         self._resume_from: Optional[int] = None
         self._non_persistent_type: Optional[str] = None
@@ -264,13 +265,13 @@ class Rollback(Callback):
 
     def on_decision(self, decision: Any, incident: Any) -> None:
         """Every rank notes the incident's iteration (a restart skips them under ``blacklist: always``)."""
-        self._episode_steps.append(int(decision.step))
+        self.episode_steps.append(int(decision.step))
 
     def _request_fields(self) -> dict:
         """What the ledger's rollback request adds for Megatron-LM (rank 0, at a rollback exit):
         the iteration, and the iterations a restart skips."""
         ledger = self.restart.ledger
-        steps = sorted(set(self._episode_steps)) if self.monitor.config.recovery.blacklist == "always" else []
+        steps = sorted(set(self.episode_steps)) if self.monitor.config.recovery.blacklist == "always" else []
         log.warning("ledger %s: rollback requested at iteration %d; a restart skips iterations %s "
                     "and scales the lr to %.3g of the original", ledger.path(self.root),
                     self.monitor.step, steps, ledger.lr_scale)
