@@ -4,8 +4,9 @@ rollback targets once certified.
 A snapshot holds copies of this rank's tensors (the model's parameters, the optimizer's main
 weights and state) and the small values beside them (scheduler, RNG, loss scaler, the guard's
 baselines), as the loop integration hands them over (:class:`SnapshotStore.take`). On a GPU the
-copies go to pinned host buffers on a side stream, and the copy is waited for only when the
-snapshot is used or replaced, never on the step that takes it; on a CPU they are plain copies.
+copies go to pinned host buffers on a side stream; the host waits for them only when the snapshot
+is used or replaced, and the GPU's own stream waits for them (no host sync) before the next
+iteration writes those tensors (:meth:`SnapshotStore.fence`); on a CPU they are plain copies.
 
 A snapshot becomes a rollback *target* only once ``certify_steps`` further checked steps came out
 clean (:meth:`SnapshotStore.note_check`): the first of them checks the gradients of the very
@@ -65,6 +66,8 @@ class SnapshotStore:
         self.skipped = 0
         """Snapshots not taken (memory), each said in one warning."""
         self._stream: Any = None
+        self._unfenced: Any = None
+        """The event of copies the training stream has not been told to wait for yet."""
 
     def due(self, step: int) -> bool:
         return step % self.interval == 0
@@ -113,7 +116,15 @@ class SnapshotStore:
                 dst.copy_(src.detach(), non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self._stream)
+        self._unfenced = ready
         return Snapshot(step, copies, values, sum(c.numel() * c.element_size() for c in copies), _ready=ready)
+
+    def fence(self) -> None:
+        """Before the next iteration may write the tensors a snapshot is still copying: the
+        current stream waits for the copies on the device; the host goes on."""
+        if self._unfenced is not None:
+            torch.cuda.current_stream().wait_event(self._unfenced)
+            self._unfenced = None
 
     def note_check(self, step: int, flagged: bool) -> None:
         """A checked step's verdict (the same on every rank): certify, or drop those still waiting."""

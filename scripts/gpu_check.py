@@ -12,24 +12,42 @@ torchrun for several ranks), bounded in time, its output kept in the results fol
   and a NaN in rank 1's own gradient before the reduction (two ranks): each must be caught once
   at its step, named, skipped, the run finishing;
 - ``fp16_clean``: fp16 from Megatron's initial loss scale 2^32: no incident;
-- ``bench``: ``scripts/bench_overhead.py`` on the small and large sizes (device runs only).
+- ``bench``: ``scripts/bench_overhead.py`` on the small and large sizes (device runs only);
+- ``lm_*`` (megatron-core 0.17+, whose wheel ships Megatron-LM's loop; first, as the most telling):
+  the packaged loop on one device, bf16 with the distributed optimizer, every weight and optimizer
+  state after every iteration hashed (``testing/step_probe.py``). ``lm_guard_on_off``: guarded
+  equals unguarded bit for bit; ``lm_rollback_in_process``: a persistent NaN (two iterations) rolled
+  back in process to an in-memory snapshot (on a GPU: pinned buffers, a side stream) and the run
+  then equal to the unguarded one bit for bit; ``lm_step_time``: Megatron's per-iteration times,
+  guarded and not, without the probe (medians; measured, not judged), and a second unguarded run's
+  losses against the first (is the device deterministic at all?).
 
-``--dry-run`` runs the same checks on the CPU with gloo and fewer steps (CI runs it, so the script
-does not rot); ``bench`` is skipped there. Results: ``summary.json`` and ``summary.txt`` in
-``--out``; the exit code is 0 when every check that ran passed.
+A check that needs more devices than there are (a drill of rank 1 on one GPU) is left out and
+says so. ``--dry-run`` runs the same checks on the CPU with gloo and fewer steps (CI runs it, so
+the script does not rot); ``bench`` is skipped there. Results: ``summary.json`` and
+``summary.txt`` in ``--out``; the exit code is 0 when every check that ran passed.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import re
+import shutil
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from megatron_patches.testing import step_probe  # noqa: E402
+from megatron_patches.testing.pretrain_cpu import TINY_GPT_ARGS  # noqa: E402
+
 WEIGHT = "decoder.layers.1.mlp.linear_fc1.weight"
 DRILL_RUNS = [
     ("drills", 1, {"drill_nan": f"nan:step=3,param={WEIGHT}", "drill_inf": f"inf:step=5,param={WEIGHT}"}),
@@ -93,6 +111,103 @@ class Runner:
         return code, result, incidents
 
 
+LM_FLAGS = ("--bf16", "--use-distributed-optimizer", "--save-interval", "1000")
+LM_EXACT = {"recovery": {"mode": "in_process", "lr_factor": 1, "blacklist": "deterministic", "snapshot_interval": 5}}
+"""A rollback that changes nothing but the iterations redone (as tests/test_rollback_in_process.py)."""
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([^ |]+).*?")
+REDONE_LOSS = re.compile(r"\[megatron_patches\] redone iteration\s+(\d+)/\s*\d+ \| lm loss: ([^ |]+)")
+STEP_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
+ROLLED = re.compile(r"rolled back in process to the snapshot of iteration (\d+) and redid (\d+) iteration\(s\) "
+                    r"in ([\d.]+) s")
+SNAPSHOT_MIB = re.compile(r"([\d.]+) MiB per snapshot on rank 0")
+
+
+class LoopRunner:
+    """Megatron-LM's packaged loop (``python -m megatron_patches.testing.pretrain_cpu``) on one rank."""
+
+    def __init__(self, out: Path, timeout: int, env: dict, on_gpu: bool):
+        self.out, self.timeout, self.env = out, timeout, env
+        self.backend = ("--distributed-backend", "nccl") if on_gpu else ()
+
+    def __call__(self, name: str, iters: int, guard: dict | None, probe: bool) -> dict:
+        folder = self.out / name
+        shutil.rmtree(folder, ignore_errors=True)  # a checkpoint or ledger left by an earlier check resumes it
+        folder.mkdir(parents=True)
+        env = dict(self.env)
+        if guard is not None:
+            (folder / "guard.yaml").write_text(json.dumps({"report_dir": str(folder / "reports"), **guard}))
+            env["MEGATRON_PATCHES_CONFIG"] = str(folder / "guard.yaml")
+        if probe:
+            env[step_probe.ENV] = str(folder / "probe")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                   "-m", "megatron_patches.testing.pretrain_cpu", *TINY_GPT_ARGS, *self.backend,
+                   "--train-iters", str(iters), "--save", str(folder / "ckpt"), "--load", str(folder / "ckpt"),
+                   *LM_FLAGS, *(() if guard is not None else ("--no-guard",))]
+        try:
+            proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  timeout=self.timeout, cwd=REPO, env=env)
+            code, output = proc.returncode, proc.stdout
+        except subprocess.TimeoutExpired as expired:
+            code, output = 124, f"timed out after {self.timeout} s\n{expired.stdout or ''}"
+        output = output if isinstance(output, str) else output.decode(errors="replace")
+        (folder / "output.txt").write_text(output)
+        losses = {int(i): loss for i, loss in LOSS.findall(output)}
+        losses.update({int(i): loss for i, loss in REDONE_LOSS.findall(output)})  # a redone iteration's wins
+        probes = step_probe.read(folder / "probe") if probe and (folder / "probe").exists() else {}
+        after = {line["iteration"]: (line["weights"], line["state"]) for line in probes.get(0, [])}  # a redo's wins
+        records = folder / "reports" / "incidents.jsonl"
+        found = [json.loads(line) for line in records.read_text().splitlines() if line.strip()] \
+            if records.exists() else []
+        return {"code": code, "output": output, "losses": losses, "after": after, "incidents": found,
+                "step_ms": [float(ms) for i, ms in STEP_MS.findall(output) if int(i) > 10]}
+
+
+def megatron_lm_checks(loop: LoopRunner, iters: int) -> dict:
+    """The packaged loop's three checks (see the module): five runs of one rank."""
+    fault = iters // 2 + 2  # past a snapshot (every 5) and the clean check that certifies it
+    off = loop("lm_guard_off", iters, None, probe=True)
+    on = loop("lm_guard_on", iters, LM_EXACT, probe=True)
+    drill = f"nan:step={fault},count=2,param=decoder.layers.1.mlp.linear_fc1.weight"
+    rolled = loop("lm_rollback", iters, {**LM_EXACT, "inject": [drill]}, probe=True)
+    timed_off = loop("lm_time_off", 3 * iters, None, probe=False)
+    timed_on = loop("lm_time_on", 3 * iters, LM_EXACT, probe=False)
+    exits = {name: run["code"] for name, run in
+             [("off", off), ("on", on), ("rollback", rolled), ("time_off", timed_off), ("time_on", timed_on)]}
+
+    def why(*runs: dict) -> str:
+        return " | ".join(r["output"][-1500:] for r in runs if r["code"])
+
+    on_off = {"passed": off["code"] == on["code"] == 0 and len(off["after"]) == iters
+              and on["after"] == off["after"] and on["losses"] == off["losses"] and not on["incidents"],
+              "iterations": len(on["after"]), "probes_equal": on["after"] == off["after"],
+              "losses_equal": on["losses"] == off["losses"], "incidents": len(on["incidents"]), "exits": exits,
+              "why": why(off, on)}
+    seen = ROLLED.search(rolled["output"])
+    actions = [(i.get("step"), i.get("action")) for i in rolled["incidents"]]
+    rollback = {"passed": rolled["code"] == 0 and seen is not None and actions == [(fault, "skip_step"),
+                                                                                  (fault + 1, "rollback")]
+                and rolled["after"] == off["after"] and rolled["losses"] == off["losses"],
+                "incidents": actions, "probes_equal_to_unguarded": rolled["after"] == off["after"],
+                "losses_equal_to_unguarded": rolled["losses"] == off["losses"],
+                "rolled_back_to": int(seen.group(1)) if seen else None,
+                "redone": int(seen.group(2)) if seen else None,
+                "decision_to_resumed_s": float(seen.group(3)) if seen else None,
+                "snapshot_mib": float(m.group(1)) if (m := SNAPSHOT_MIB.search(rolled["output"])) else None,
+                "why": why(rolled)}
+    median = {name: statistics.median(run["step_ms"]) if run["step_ms"] else None
+              for name, run in (("off", timed_off), ("on", timed_on))}
+    shared = sorted(set(timed_off["losses"]) & set(off["losses"]))
+    step_time = {"passed": timed_off["code"] == timed_on["code"] == 0 and None not in median.values(),
+                 "median_step_ms_unguarded": median["off"], "median_step_ms_guarded": median["on"],
+                 "guard_ms_per_step": round(median["on"] - median["off"], 3) if None not in median.values() else None,
+                 "iterations_timed": len(timed_on["step_ms"]),
+                 "unguarded_runs_agree_on_losses": [timed_off["losses"][i] for i in shared]
+                 == [off["losses"][i] for i in shared] if shared else None,
+                 "guarded_losses_equal_unguarded": timed_on["losses"] == timed_off["losses"],
+                 "why": why(timed_off, timed_on)}
+    return {"lm_guard_on_off": on_off, "lm_rollback_in_process": rollback, "lm_step_time": step_time}
+
+
 def guard_on_off(run: Runner, steps: int) -> dict:
     flags = ("--precision", "bf16", "--distributed-optimizer", "--steps", str(steps))
     off_code, off, _ = run.harness("guard_off", *flags, "--no-guard", ranks=run.ranks)
@@ -149,12 +264,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         env["CUDA_VISIBLE_DEVICES"] = ""
     info = environment(args.dry_run)
-    run = Runner(out, max(2, info["devices"]), args.step_timeout, env)
+    ranks = info["devices"] or 2  # one per GPU; two CPU ranks in a dry run
+    run = Runner(out, ranks, args.step_timeout, env)
     steps = 12 if args.dry_run else 40
     checks: dict = {"environment": {"passed": True, **info}}
-    plan = [("guard_on_off", lambda: {"guard_on_off": guard_on_off(run, steps)})]
-    plan += [(folder, lambda f=folder, r=ranks, d=drills: drill_run(run, f, r, d, 8))
-             for folder, ranks, drills in DRILL_RUNS]
+    plan = []
+    if importlib.util.find_spec("megatron.training") is not None:
+        loop = LoopRunner(out, args.step_timeout, env, on_gpu=not args.dry_run and info["devices"] > 0)
+        plan.append(("megatron_lm", lambda: megatron_lm_checks(loop, 12 if args.dry_run else 40)))
+    else:
+        print("[gpu_check] megatron_lm: left out (the installed megatron-core ships no megatron/training)")
+    plan.append(("guard_on_off", lambda: {"guard_on_off": guard_on_off(run, steps)}))
+    for folder, wanted, drills in DRILL_RUNS:
+        if wanted > ranks:
+            print(f"[gpu_check] {folder}: left out ({wanted} ranks needed, {ranks} device(s))")
+            continue
+        plan.append((folder, lambda f=folder, r=wanted, d=drills: drill_run(run, f, r, d, 8)))
     plan += [("fp16_clean", lambda: {"fp16_clean": fp16_clean(run, 40 if args.dry_run else 100)})]
     if not args.dry_run:
         plan.append(("bench", lambda: {"bench": bench(out, 3 * args.step_timeout, env)}))

@@ -139,7 +139,8 @@ class InProcessRollback(Callback):
     # -- around each train_step ----------------------------------------------------------------------
 
     def before_iteration(self, iteration: int, data_iterator: Any, consumed: int) -> None:
-        """Tape what ``iteration`` (as Megatron logs it) reads."""
+        """Tape what ``iteration`` (as Megatron logs it) reads; its writes wait for a snapshot's copies."""
+        self.store.fence()
         if self._tapes is None:
             self._tapes = install_tapes(data_iterator)
         for tape in self._tapes or ():

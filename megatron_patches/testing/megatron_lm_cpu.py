@@ -106,7 +106,7 @@ def _skip_fused_kernels(*args, **kwargs) -> None:
 
 
 def _skip_jit_warmup(*args, **kwargs) -> None:
-    _log("JIT fusion warm-up skipped (CPU run: torch.compile of unused fusions takes ~25 s)")
+    _log("JIT fusion warm-up skipped (torch.compile of fusions the command line turned off: ~25 s on a CPU)")
 
 
 def _helpers_are_importable() -> None:
@@ -175,26 +175,31 @@ def _with_optimizer_state_before_load(original: Callable) -> Callable:
     return wrapper
 
 
-def _redirects() -> list[tuple[Any, str, Any]]:
+def _redirects(on_cpu: bool) -> list[tuple[Any, str, Any]]:
     from megatron.core.datasets import utils as dataset_utils
     from megatron.core.optimizer import distrib_optimizer
     from megatron.training import arguments, initialize, training
 
-    initialize_megatron = _allowing_no_cuda(initialize.__dict__["initialize_megatron"])
+    # On any device: the wheel has no Makefile beside helpers.cpp (its helpers come prebuilt), the
+    # warm-up compiles fusions the command line turned off, and the load needs the optimizer state.
     items = [
-        (initialize, "initialize_megatron", initialize_megatron),
-        (training, "initialize_megatron", initialize_megatron),
-        (initialize, "_initialize_distributed", _with_one_device(initialize._initialize_distributed)),
-        (initialize, "_set_random_seed", _with_one_device(initialize._set_random_seed)),
         (dataset_utils, "compile_helpers", _helpers_are_importable),
         (initialize, "_warmup_jit_function", _skip_jit_warmup),
     ]
-    if "get_device_arch_version" in arguments.__dict__:  # checkouts from before TP asked it have none
-        items.append((arguments, "get_device_arch_version", _cpu_arch_version))
-    fused_kernels = initialize.__dict__.get("fused_kernels")  # megatron.legacy, gone in main
-    if fused_kernels is not None:
-        items.append((fused_kernels, "load", _skip_fused_kernels))
-    items += fsdp.redirects()
+    if on_cpu:
+        initialize_megatron = _allowing_no_cuda(initialize.__dict__["initialize_megatron"])
+        items += [
+            (initialize, "initialize_megatron", initialize_megatron),
+            (training, "initialize_megatron", initialize_megatron),
+            (initialize, "_initialize_distributed", _with_one_device(initialize._initialize_distributed)),
+            (initialize, "_set_random_seed", _with_one_device(initialize._set_random_seed)),
+        ]
+        if "get_device_arch_version" in arguments.__dict__:  # checkouts from before TP asked it have none
+            items.append((arguments, "get_device_arch_version", _cpu_arch_version))
+        fused_kernels = initialize.__dict__.get("fused_kernels")  # megatron.legacy, gone in main
+        if fused_kernels is not None:
+            items.append((fused_kernels, "load", _skip_fused_kernels))
+        items += fsdp.redirects()
     if not distrib_optimizer.HAVE_APEX_OR_TE:
         owner = distrib_optimizer.DistributedOptimizer
         items.append(
@@ -203,20 +208,24 @@ def _redirects() -> list[tuple[Any, str, Any]]:
     return items
 
 
-def install() -> None:
+def install(on_cpu: bool = True) -> None:
     """Install the CPU runtime plus the Megatron-LM training-package redirects. Idempotent.
 
     ``megatron`` must resolve to the checkout being run (its directory first on ``sys.path``).
+    ``on_cpu=False`` (a machine with CUDA) installs only what the wheel needs on any device: the
+    prebuilt dataset helpers, no JIT warm-up, the optimizer state before a distributed-optimizer
+    load without Apex or Transformer Engine.
     """
     global _state
     with _lock:
         if _state is not None:
             return
         cpu_was_installed = cpu.installed()
-        cpu.install()
+        if on_cpu:
+            cpu.install()
         helpers = _provide_dataset_helpers()
         saved = []
-        for owner, name, replacement in _redirects():
+        for owner, name, replacement in _redirects(on_cpu):
             saved.append((owner, name, owner.__dict__[name]))
             setattr(owner, name, replacement)
         _state = {"saved": saved, "cpu_was_installed": cpu_was_installed}

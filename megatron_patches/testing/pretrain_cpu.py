@@ -15,7 +15,9 @@ the CPU redirects and the script runs as ``__main__`` with ``sys.argv`` set to i
 
 Without a script (the first argument is a flag), the installed package's
 ``megatron.training.pretrain`` trains the GPT of :mod:`megatron_patches.testing.gpt_loop`, guarded
-through ``import megatron_patches.apply`` as a user's script would be.
+through ``import megatron_patches.apply`` as a user's script would be. On a machine with CUDA it
+trains on the GPU (``--distributed-backend nccl``): only the redirects the wheel needs on any
+device are installed (``megatron_lm_cpu.install(on_cpu=False)``); ``scripts/gpu_check.py`` runs it so.
 
 Besides torch and megatron-core's own needs, Megatron-LM's training package imports six, regex,
 pydantic, psutil and, for some paths, triton. The command line must turn CUDA-only fusions off
@@ -89,7 +91,9 @@ def _run_packaged(args: list[str]) -> None:
             f"give a Megatron-LM checkout's pretrain_gpt.py first\n{USAGE}")
     from megatron_patches.testing import gpt_loop, megatron_lm_cpu, step_probe
 
-    megatron_lm_cpu.install()
+    import torch
+
+    megatron_lm_cpu.install(on_cpu=not torch.cuda.is_available())
     if os.environ.get(step_probe.ENV):
         step_probe.install(os.environ[step_probe.ENV])
     if WITHOUT_GUARD in args:

@@ -51,8 +51,8 @@ def _digest(tensors) -> str:
     digest = hashlib.sha256()
     for tensor in tensors:
         tensor = local_shard(tensor)  # a DTensor (FSDP): this rank's shard
-        # A copy: numpy() would mark the storage as not resizable, and FSDP resizes storages.
-        digest.update(tensor.detach().clone().view(-1).view(torch.uint8).numpy().tobytes())
+        # A host copy: numpy() needs one, would mark the storage as not resizable, and FSDP resizes storages.
+        digest.update(tensor.detach().to("cpu", copy=True).view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

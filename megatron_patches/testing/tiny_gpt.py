@@ -165,6 +165,9 @@ def _select_device(args: argparse.Namespace) -> tuple[str, str]:
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(f"local rank {local_rank} has no GPU of its own ({torch.cuda.device_count()} visible): "
+                            f"launch at most {torch.cuda.device_count()} rank(s) per node")
         torch.cuda.set_device(local_rank)
         if args.precision == "bf16" and not torch.cuda.is_bf16_supported():
             raise UserError("this GPU cannot run bf16; use --precision fp16 or fp32")
