@@ -63,6 +63,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default="runs/gpu_check", help="results folder (default runs/gpu_check)")
     p.add_argument("--dry-run", action="store_true", help="on the CPU with gloo, fewer steps, no bench")
     p.add_argument("--step-timeout", type=int, default=150, help="seconds one run may take (default 150)")
+    p.add_argument("--only", default="", help="comma-separated checks to run (megatron_lm, guard_on_off, drills, "
+                   "drill_spike, drill_local_nan_rank1, fp16_clean, bench); default all")
     args = p.parse_args(argv)
     if args.step_timeout < 1:
         p.error(f"--step-timeout must be >= 1, got {args.step_timeout}")
@@ -283,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     plan += [("fp16_clean", lambda: {"fp16_clean": fp16_clean(run, 40 if args.dry_run else 100)})]
     if not args.dry_run:
         plan.append(("bench", lambda: {"bench": bench(out, 3 * args.step_timeout, env)}))
+    wanted = {name for name in args.only.split(",") if name}
+    known = {"megatron_lm", "guard_on_off", "fp16_clean", "bench", *(folder for folder, _, _ in DRILL_RUNS)}
+    if wanted - known:
+        raise SystemExit(f"gpu_check: --only names unknown check(s) {sorted(wanted - known)}; known: {sorted(known)}")
+    plan = [(name, check) for name, check in plan if not wanted or name in wanted]
     for name, check in plan:
         started = time.monotonic()
         print(f"[gpu_check] {name} ...", flush=True)

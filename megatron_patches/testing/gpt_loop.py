@@ -194,6 +194,8 @@ def _read_on_tp_rank_zero(data_iterator, flags: dict) -> dict:
     args = get_args()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     batch = next(data_iterator) if tp_rank == 0 else {}
+    if torch.cuda.is_available():  # the broadcast is on the device, as pretrain_gpt.py moves it there
+        batch = {k: v.cuda(non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
     return utils.get_batch_on_this_tp_rank(
         batch, has_cu_seqlens=False, is_hybrid_cp=False,
         create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
