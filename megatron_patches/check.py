@@ -1,4 +1,5 @@
-"""The check stage: one fused pass over the gradients, one small all-reduce, one host read.
+"""The check stage: the gradients' norms (read once with Megatron's own clipping norm where the
+seams can, else one fused pass), one small all-reduce, one host read.
 
 Each rank fills a float32 vector: counts of non-finite, too large and saturated gradients, the
 count of ranks that were an origin before the reduction, the total and per-layer sums of squares,
@@ -156,7 +157,7 @@ class CheckStage:
         maxabs = None
         if grads:
             weights, slots, limits = self._static_tensors(optimizer, live, device)
-            norms = ctx.norms = torch.stack(torch._foreach_norm(grads)).float()
+            norms = ctx.norms = self._norms(optimizer, grads)
             detectors = self.config.detectors
             if detectors.nonfinite.enabled:
                 vec[_NONFINITE] = (~torch.isfinite(norms)).sum()
@@ -174,6 +175,22 @@ class CheckStage:
             detector.local(ctx, vec[offset:offset + width])
             offset += width
         return ctx, maxabs, vec
+
+
+    def _norms(self, optimizer: Any, grads: list) -> torch.Tensor:
+        """Each gradient's L2 norm (float32, on the device): from the kernel call of Megatron's
+        clipping norm where the seams can make it for Megatron (read once for both,
+        :mod:`megatron_patches.seams.megatron_norm`), a fused pass of our own for the rest."""
+        known = self.seams.megatron_norms(optimizer)
+        if not known:
+            return torch.stack(torch._foreach_norm(grads)).float()
+        keys = [(g.data_ptr(), tuple(g.shape), g.dtype) for g in grads]
+        norms = [known.get(k) for k in keys]
+        missing = [i for i, n in enumerate(norms) if n is None]
+        if missing:
+            for i, n in zip(missing, torch._foreach_norm([grads[i] for i in missing])):
+                norms[i] = n
+        return torch.stack([n.float() for n in norms])
 
 
 def resolve_overflow_mode(mode: str) -> str:

@@ -110,6 +110,10 @@ class Seams(Protocol):
     def current_grads(self, optimizer: Any, entries: list) -> Iterable[tuple[Any, Any]]:
         """``(entry, gradient or None)`` as the optimizer holds them now."""
 
+    def megatron_norms(self, optimizer: Any) -> dict:
+        """Per-gradient norms from the kernel call Megatron's clipping norm will make this step,
+        made now and kept for it (``{(data_ptr, shape, dtype): norm}``; empty: read them yourself)."""
+
     def covers(self, model_chunks: list) -> bool:
         """True where Megatron DDP's own ``start_grad_sync`` carries the pre-reduction pass."""
 
@@ -155,7 +159,9 @@ class Guard(Protocol):
 
     config: "Config"
     counters: dict[str, int]
-    """Totals over the job: checked_steps, skipped_steps, incidents, scaler_overflows, injected, served_norms."""
+    """Totals over the job: checked_steps, skipped_steps, incidents, scaler_overflows, injected, served_norms,
+    norm_kernel_calls (Megatron's L2 norm-kernel calls while guarded), shared_norm_reads (those answered
+    from the check's own call)."""
     last_total_norm: Optional[float]
     last_layer_norms: dict[str, float]
     last_incident: Optional["Incident"]

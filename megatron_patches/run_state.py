@@ -28,7 +28,8 @@ from .protocols import Executor, LossScaleWatch, ModelChunks, OriginWatch, Rerun
 from .publish import Publisher
 from .respond import Responder
 
-COUNTERS = ("checked_steps", "skipped_steps", "incidents", "scaler_overflows", "injected", "served_norms")
+COUNTERS = ("checked_steps", "skipped_steps", "incidents", "scaler_overflows", "injected", "served_norms",
+            "norm_kernel_calls", "shared_norm_reads")
 """The run's counters (``monitor.counters``), totals over the job."""
 
 

@@ -50,17 +50,20 @@ def test_bench_reports_every_variant_host_reads_and_targets(tmp_path):
     assert small["variants"]["D"]["host_reads_per_checked_step"] == 2 * tensors
 
     # Read passes (bytes of gradient memory read / gradient bytes): the naive loop's two passes
-    # (isnan, isinf over every gradient) prove the counter sees reads; the default guard reads one
-    # pass of its own beside Megatron's norm pass, which it leaves alone (bit-identical runs; with
-    # serve_norm it would replace it); on two ranks likewise.
+    # (isnan, isinf over every gradient) prove the counter sees reads; the default guard makes the
+    # kernel call of Megatron's clipping norm itself and Megatron's own call takes its result
+    # (seams/megatron_norm.py): one pass for both, so no extra one. On two ranks the consistency
+    # detector fingerprints its rotating share of the replicated gradients (0.03 of a pass here).
     assert small["variants"]["D"]["extra_read_passes_per_checked_step"] == pytest.approx(2.0)
-    assert small["variants"]["B"]["extra_read_passes_per_checked_step"] == pytest.approx(1.0)
+    assert small["variants"]["B"]["extra_read_passes_per_checked_step"] == pytest.approx(0.0, abs=0.01)
     assert small["variants"]["B"]["read_passes_per_step_by_hook"]["after_prepare_grads"] == pytest.approx(1.0)
-    assert small["variants"]["B"]["monitor_counters"]["served_norms"] == 0
+    counters = small["variants"]["B"]["monitor_counters"]
+    assert counters["served_norms"] == 0 and counters["shared_norm_reads"] == counters["checked_steps"] > 0
     ranks = data["dp2"]["small"]["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["world_size"] == 2 for r in ranks)
     for r in ranks:
         assert r["variants"]["D"]["extra_read_passes_per_checked_step"] == pytest.approx(2.0)
+        assert r["variants"]["B"]["extra_read_passes_per_checked_step"] <= 0.1
         assert r["variants"]["B"]["monitor_counters"]["served_norms"] == 0
         assert isinstance(r["variants"]["B"]["host_reads_per_checked_step"], (int, float))
     for name in ("B", "C", "E"):

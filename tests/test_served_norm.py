@@ -165,4 +165,9 @@ def _guarded_equals_unguarded(tmp_path, layout: tuple, nproc: int) -> None:
     # Every bit of every rank's weights and optimizer state after every iteration.
     guarded, unguarded = (step_probe.read(probes[mode]) for mode in ((), ("--no-guard",)))
     assert len(guarded) == nproc and all(len(lines) == 20 for lines in guarded.values())
+    counts = {rank: [line.pop("guard") for line in lines][-1] for rank, lines in guarded.items()}
     assert guarded == unguarded
+    # Every norm-kernel call of Megatron's took the check's own call's result (one read of the
+    # gradients for both); a chain of leaves with their own grad-stats groups (MoE) makes one a leaf.
+    assert all(c["checked_steps"] == 20 and c["norm_kernel_calls"] >= 20 for c in counts.values()), counts
+    assert all(c["shared_norm_reads"] == c["norm_kernel_calls"] for c in counts.values()), counts

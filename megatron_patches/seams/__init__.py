@@ -9,7 +9,8 @@ recovery) never imports this package (``tests/test_units_imports.py``); it is ha
 - DDP: the pre-reduction origin (:mod:`.origin`) at each bucket group's ``start_grad_sync``
   (:mod:`.grad_sync`) or from Megatron's own per-bucket norms (:mod:`.bucket_norms`);
 - the rerun state machine (:mod:`.rerun_machine`), optimizer pairing (:mod:`.optimizer_params`,
-  :mod:`.model_chunks`), the norm served to ``get_grad_norm`` (:mod:`.served_norm`), the fp16
+  :mod:`.model_chunks`), the norm served to ``get_grad_norm`` (:mod:`.served_norm`), the norm
+  kernel's call shared with Megatron's clipping norm (:mod:`.megatron_norm`), the fp16
   loss scaler (:mod:`.loss_scale`);
 - the loops: Megatron-LM's ``pretrain_gpt.py`` (:mod:`.megatron_lm`, with :mod:`.megatron_lm_rollback`
   applying the ledger at a restart and :mod:`.megatron_lm_checkpoints` marking checkpoints),
@@ -24,7 +25,7 @@ from typing import Any
 
 from ..config import Config
 from ..monitor import GradMonitor
-from . import grad_sync, mindspeed, optimizer_params, origin, rerun_machine, rng, served_norm, wrappers
+from . import grad_sync, megatron_norm, mindspeed, optimizer_params, origin, rerun_machine, rng, served_norm, wrappers
 from .loss_scale import LossScaleWatch
 from .model_chunks import ModelChunks
 
@@ -43,6 +44,13 @@ class MegatronSeams:
     remember_norm = staticmethod(served_norm.remember)
     record_fields = staticmethod(rerun_machine.record_fields)
     rng_state = staticmethod(rng.rng_state)
+
+    def __init__(self) -> None:
+        self.kernel_calls = megatron_norm.KernelCalls()
+        """Megatron's norm-kernel calls made at the check, until its own call takes them."""
+
+    def megatron_norms(self, optimizer: Any) -> dict:
+        return self.kernel_calls.prepare(optimizer)
 
     def model_chunks(self) -> ModelChunks:
         return ModelChunks()

@@ -92,6 +92,15 @@ TARGETS: tuple[PatchTarget, ...] = (
         "chain). A leaf's own step() clips through clip_grad_norm, which stays stock.",
     ),
     PatchTarget(
+        "megatron.core.optimizer.clip_grads",
+        "multi_tensor_applier",
+        "megatron_patches.seams.wrappers.multi_tensor_applier_wrapper",
+        "get_grad_norm_fp32 reads every gradient with one L2 kernel call through this binding: the "
+        "guard's check made that very call just before (asking per-tensor norms too), so Megatron "
+        "gets its result and the gradients are read once for both, Megatron's norm unchanged to the "
+        "bit (megatron_patches.seams.megatron_norm).",
+    ),
+    PatchTarget(
         "megatron.core.optimizer",
         "get_megatron_optimizer",
         "megatron_patches.seams.wrappers.get_optimizer_wrapper",

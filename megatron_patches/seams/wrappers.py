@@ -104,6 +104,24 @@ def get_grad_norm_wrapper(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+def multi_tensor_applier_wrapper(wrapped, instance, args, kwargs):
+    """wrapt wrapper for ``clip_grads.multi_tensor_applier``: the L2 kernel call of Megatron's
+    clipping norm gets the result of the same call the guard's check made over the same, unchanged
+    gradients (:mod:`megatron_patches.seams.megatron_norm`); every other call runs as stock."""
+    calls = getattr(getattr(getattr(_monitor, "state", None), "seams", None), "kernel_calls", None)
+    if calls is not None and len(args) >= 3 and not kwargs:
+        from megatron.core.optimizer import clip_grads
+
+        op, _, lists = args[:3]
+        if op is clip_grads.l2_norm_impl and len(lists) == 1:
+            _monitor.count("norm_kernel_calls")
+            served = calls.serve(lists[0]) if calls.waiting else None
+            if served is not None:
+                _monitor.count("shared_norm_reads")
+                return served
+    return wrapped(*args, **kwargs)
+
+
 def get_optimizer_wrapper(wrapped, instance, args, kwargs):
     """wrapt wrapper for ``get_megatron_optimizer``: remembers the model chunks."""
     bound = _signature(wrapped).bind(*args, **kwargs)

@@ -7,6 +7,9 @@ that each rank appends one JSON line per iteration to ``DIR/rank<R>.jsonl``::
     {"iteration": 3, "weights_changed": false, "state_changed": false, "finite": true,
      "weights": "9f2c...", "state": "41d0..."}
 
+In a guarded run each line also has ``"guard": {"checked_steps": n, "norm_kernel_calls": k,
+"shared_norm_reads": m}`` (Megatron's norm-kernel calls so far, and how many of them got the
+check's own call's result).
 ``weights_changed``: any bit of the model's parameters differs after the step (all virtual stages;
 under Megatron-FSDP its weight shards);
 ``state_changed``: any bit of the optimizer's state differs (each leaf's torch optimizer: its
@@ -29,8 +32,11 @@ from typing import Any, Iterator
 import torch
 
 from megatron_patches.collectives import local_shard
+from megatron_patches.seams import wrappers
 
 ENV = "MEGATRON_PATCHES_STEP_PROBE"
+GUARD_COUNTERS = ("checked_steps", "norm_kernel_calls", "shared_norm_reads")
+"""The guard's counters each line carries under ``"guard"`` in a guarded run."""
 
 
 def _tensors_of_optimizer(optimizer: Any) -> Iterator[torch.Tensor]:
@@ -86,6 +92,9 @@ def install(directory: str) -> None:
                 "state_changed": before[1] != after[1],
                 "finite": all(bool(torch.isfinite(local_shard(p)).all()) for p in params),
                 "weights": after[0], "state": after[1]}
+        monitor = wrappers.get_monitor()
+        if monitor is not None:
+            line["guard"] = {name: monitor.counters[name] for name in GUARD_COUNTERS}
         rank = torch.distributed.get_rank()
         with open(Path(directory) / f"rank{rank}.jsonl", "a") as out:
             out.write(json.dumps(line) + "\n")
