@@ -14,7 +14,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {"A", "B", "C", "D", "E"}
 COUNTED = {"default_extra_read_passes", "default_extra_host_reads", "all_detectors_read_passes"}
-TARGETS = {("1 rank", name) for name in COUNTED | {"default_step_overhead_pct", "shipped_default_step_overhead_pct",
+TARGETS = {("1 rank", name) for name in COUNTED | {"default_fixed_step_cost_ms", "default_step_overhead_pct",
+                                                  "shipped_default_step_overhead_pct",
                                                   "host_reads_per_checked_step", "extra_memory_pct"}} \
     | {("dp2", name) for name in COUNTED}
 
