@@ -92,7 +92,7 @@ class HistoryConfig:
 class ConsistencyConfig:
     enabled: bool = True
     """Compare data-parallel replicas bit-exactly each checked step (needs data parallelism;
-    adds 4 floats per rank to the one all-reduce)."""
+    adds 20 floats to the one all-reduce, no collective of its own)."""
     target: Literal["auto", "grads", "params"] = "auto"
     """What the replicas must agree on. grads: reduced gradients (not with the distributed
     optimizer, whose gradients are sharded). params: the model parameters (an extra pass over

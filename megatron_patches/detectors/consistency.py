@@ -5,22 +5,22 @@ distributed optimizer), and after the parameter all-gather every replica holds t
 parameters (with or without it). A card that silently corrupts a value breaks that. Each
 rank takes a fingerprint of what it holds, on the device:
 
-- the sum of squared per-tensor L2 norms (fp32; the distance used to break a 1:1 tie), as its
-  32 bits in two 16-bit halves,
+- the sum of squared per-tensor L2 norms (fp32; the distance used to break a 1:1 tie): its
+  32 bits,
 - an exact 48-bit checksum of the raw bits: each tensor's bits summed as 32-bit integers
-  (modulo 2**32), weighted by an odd number per tensor, summed and folded into two 24-bit
-  halves. Integer addition is order-independent, so the checksum is the same on every replica
-  whatever the reduction order or the hardware, and any single flipped bit changes it (an odd
-  weight is invertible modulo 2**32).
+  (modulo 2**32), weighted by an odd number per tensor, summed: 48 bits. Integer addition is
+  order-independent, so the checksum is the same on every replica whatever the reduction order
+  or the hardware, and any single flipped bit changes it (an odd weight is invertible modulo
+  2**32).
 
-Four integers below 2**24, each exact in fp32. One MAX all-reduce of ``[x, -x]`` over the
-rank's data-parallel group gives every member the group's largest and smallest value of each;
-the spread (largest minus smallest, summed) is 0 exactly when the replicas agree. Each rank
-adds its group's spread to one float of the monitor's SUM vector: a sum of non-negative
-numbers, 0 exactly when every group agrees. So the monitor's vector carries one float for
-this check whatever the size of the job (8 floats go over each data-parallel group).
+The 80 bits travel as twenty 4-bit pieces in the monitor's one SUM all-reduce, with no
+collective of their own: in a data-parallel group of ``n`` ranks the lowest adds ``n - 1`` times
+its pieces and each other rank subtracts its own, times a sign drawn from the group and the
+check (so mirrored differences in two groups cannot cancel check after check). A group's sums
+are 0 when its replicas agree; every float is an exact integer (the sum of sizes stays below
+``2**24`` up to half a million ranks), so the twenty are all 0 exactly when every group agrees.
 
-Only when that float is not 0, on the slow path (``suspects``), the world exchanges
+Only when one is not 0, on the slow path (``suspects``), the world exchanges
 fingerprints, every rank finds the ranks that differ from their group's majority; with two
 replicas (no majority) the replica whose squared norm is farther from the group's last
 accepted value is suspected, and the record says so (``decided_by``). The ranks of each group
@@ -43,8 +43,8 @@ from .base import CheckContext, Detector, Rotation
 
 log = logging.getLogger("megatron_patches")
 
-_MASK24 = (1 << 24) - 1
-_MASK16 = (1 << 16) - 1
+_PIECE_BITS = 4
+_PIECES = (32 + 48) // _PIECE_BITS  # the squared norm's 32 bits, the checksum's 48
 
 
 def _bits_sum(t: torch.Tensor) -> torch.Tensor:
@@ -66,6 +66,17 @@ def _bits_sum(t: torch.Tensor) -> torch.Tensor:
     if size == 2:  # at an odd offset in a shared buffer: element by element (slower)
         return flat.view(torch.int16).sum(dtype=torch.int32)
     return flat.view(torch.uint8).sum(dtype=torch.int32)
+
+
+_MASK24 = (1 << 24) - 1
+
+
+def _pieces(bits: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """The fingerprint's 80 bits (``bits``: the squared norm's 32, ``total``: the checksum's 48,
+    both int64 0-d) as twenty 4-bit integers."""
+    shifts = torch.arange(0, 48, _PIECE_BITS, device=bits.device)
+    mask = (1 << _PIECE_BITS) - 1
+    return torch.cat([(bits >> shifts[:32 // _PIECE_BITS]) & mask, (total >> shifts) & mask])
 
 
 def _tensor_sums(tensors: list) -> torch.Tensor:
@@ -106,7 +117,7 @@ class ConsistencyDetector(Detector):
     # --- layout ----------------------------------------------------------------------
 
     def width(self) -> int:
-        return 1  # the sum over the job of each group's spread: the same at any world size
+        return _PIECES  # each group's zero-sum terms, summed over the job: the same at any world size
 
     def _dp_group(self) -> tuple:
         if self._group is None:
@@ -129,7 +140,7 @@ class ConsistencyDetector(Detector):
         self._to_exchange = False
         if not self._active:
             return
-        key, ranks, group = self._dp_group()
+        key, ranks, _ = self._dp_group()
         if len(ranks) < 2 or self._fully_sharded(ctx):
             self._active = False
             return
@@ -140,8 +151,8 @@ class ConsistencyDetector(Detector):
             if self._mode == "params":  # the norms were not read: take them over the share only
                 norms = torch.stack(torch._foreach_norm(tensors))
         square = norms.float().square().sum() if tensors else torch.zeros((), device=ctx.device)
-        # One bit pattern for NaN: the spread is then 0 exactly when the fingerprints compare
-        # equal (_comparable), so the verdict can rest on the reduced vector alone.
+        # One bit pattern for NaN: a group's pieces then sum to 0 exactly when the fingerprints
+        # compare equal (_comparable), so the verdict can rest on the reduced vector alone.
         square = torch.where(torch.isnan(square), torch.full_like(square, math.nan), square)
         if not tensors:
             total = torch.zeros((), dtype=torch.int64, device=ctx.device)
@@ -151,12 +162,15 @@ class ConsistencyDetector(Detector):
                 weights = weights[torch.tensor(sample, device=ctx.device)]
             total = (_tensor_sums(tensors) * weights.to(ctx.device)).sum()  # exact in int64
         bits = square.reshape(1).view(torch.int32).to(torch.int64)[0]
-        low, high = total & _MASK24, (total >> 24) & _MASK24
-        self._fp = torch.stack([square, low.float().to(square.device), high.float().to(square.device)])
-        ints = torch.stack([bits & _MASK16, (bits >> 16) & _MASK16, low.to(bits.device), high.to(bits.device)])
-        both = torch.cat([ints, -ints]).float().to(out.device)
-        torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=group)
-        out[0] = (both[:4] + both[4:]).sum()  # largest minus smallest: 0 when the group agrees
+        self._fp = torch.stack([square, (total & _MASK24).float().to(square.device),
+                                ((total >> 24) & _MASK24).float().to(square.device)])
+        out.copy_(_pieces(bits, total.to(bits.device)).float().to(out.device) * self._weight(key, ranks))
+
+    def _weight(self, key: int, ranks: list) -> float:
+        """This rank's factor in its group's zero-sum: ``n - 1`` for the lowest rank, -1 for the
+        others, times the group's sign for this check."""
+        sign = -1.0 if ((key * 2654435761 + self._checks * 40503) >> 7) & 1 else 1.0
+        return sign * (len(ranks) - 1 if collectives.rank() == key else -1)
 
     def _fully_sharded(self, ctx: CheckContext) -> bool:
         """Torch FSDP2 and Megatron-FSDP (DTensor parameters): each data-parallel rank holds its own
@@ -232,9 +246,9 @@ class ConsistencyDetector(Detector):
     # --- host ------------------------------------------------------------------------
 
     def verdict(self, ctx: CheckContext, reduced: list) -> list:
-        """A group disagrees somewhere: the summed spread is above 0 (identical on every rank).
+        """A group disagrees somewhere: a summed piece is not 0 (identical on every rank).
         Which ranks and tensors differ is found in :meth:`suspects`."""
-        self._to_exchange = self._active and reduced[0] > 0
+        self._to_exchange = self._active and any(value != 0 for value in reduced)
         return ["rank_mismatch"] if self._to_exchange else []
 
     def _exchange(self, ctx: CheckContext) -> None:
