@@ -73,10 +73,11 @@ def _megatron_core() -> tuple[Optional[str], Optional[str]]:
             return dist.version, location
     except importlib.metadata.PackageNotFoundError:
         pass
+    from .seams.parallel import megatron_core_version
+
     with warnings.catch_warnings():  # a source checkout: ask the package itself (slow import)
         warnings.simplefilter("ignore")
-        from megatron.core import package_info
-    return package_info.__version__, location
+        return megatron_core_version(), location
 
 
 def _check_megatron(checks: _Checks) -> None:

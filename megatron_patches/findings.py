@@ -48,17 +48,18 @@ def _picked(config: Any, detectors: list, ctx: CheckContext, norm_list: list, ma
 
 
 def local_findings(config: Any, detectors: list, ctx: CheckContext, maxabs: Optional[torch.Tensor],
-                   total_over: bool) -> list[ParamFinding]:
-    """This rank's parameters whose gradients tripped a check, counted element by element. A
-    rank without gradients still asks every detector for suspects: that is the slow path's
-    collective phase (detectors/__init__.py), and its peers wait for it there."""
+                   total_over: bool, ranks: dict[str, int]) -> list[ParamFinding]:
+    """This rank's parameters whose gradients tripped a check, counted element by element
+    (``ranks``: this rank's, :func:`~megatron_patches.naming.rank_info`). A rank without
+    gradients still asks every detector for suspects: that is the slow path's collective phase
+    (detectors/__init__.py), and its peers wait for it there."""
     if ctx.norms is None:
         for detector in detectors:
             detector.suspects(ctx, [])
         return []
     norm_list = ctx.norms.tolist()
     max_list = maxabs.tolist() if maxabs is not None else None
-    ranks, host, device = naming.rank_info(), naming.host(), naming.device_name()
+    host, device = naming.host(), naming.device_name()
     findings = []
     for i, reasons in sorted(_picked(config, detectors, ctx, norm_list, max_list, total_over).items()):
         entry, grad = ctx.entries[i], ctx.grads[i]

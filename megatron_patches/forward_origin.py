@@ -70,15 +70,15 @@ def _replace_first(value: Any, kind: str, factor: float) -> tuple[Any, bool]:
     return value, False
 
 
-def attach_drills(monitor: Guard, model_chunks: list) -> int:
+def attach_drills(monitor: Guard, model_chunks: list, ps: Any) -> int:
     """Hook each ``phase=forward`` and ``phase=backward`` drill onto the modules its pattern names on this rank;
     returns how many modules were hooked. A pattern matching nothing here is fine (another
-    pipeline stage may hold that module)."""
+    pipeline stage may hold that module). ``ps``: megatron-core's parallel state (``Seams.parallel_state``)."""
     specs = monitor.drills.forward_specs()
     if not specs:
         return 0
     hooked = 0
-    for name, _, module in naming.name_modules(model_chunks):
+    for name, _, module in naming.name_modules(model_chunks, ps):
         if module in monitor.drills.hooked:  # the same model registered again (another optimizer of it)
             continue
         monitor.drills.hooked.add(module)
@@ -111,9 +111,10 @@ class ForwardTrace:
     once backward reaches that output, whether the gradient flowing into it was (both kept on the
     device, read once by :meth:`first` / :meth:`first_backward`)."""
 
-    def __init__(self, model_chunks: list):
-        self._named = naming.name_modules(model_chunks)
-        self._expert_place = naming.expert_place(model_chunks)
+    def __init__(self, model_chunks: list, ps: Any):
+        """``ps``: megatron-core's parallel state, for the modules' names (``Seams.parallel_state``)."""
+        self._named = naming.name_modules(model_chunks, ps)
+        self._expert_place = naming.expert_place(model_chunks, ps)
         self._handles: list = []
         self._calls: list[tuple[str, int]] = []
         self._flags: list[torch.Tensor] = []

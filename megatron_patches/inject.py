@@ -363,12 +363,12 @@ def unmatched(injector: Injector, holds_by_rank: list[list[float]], param_names:
             "without wrapper prefixes")
 
 
-def refuse_unmatched(injector: Injector, chunks: list, rank: int, stepped: Iterable[tuple[Any, Any]]) -> None:
+def refuse_unmatched(injector: Injector, chunks: list, rank: int, stepped: Iterable[tuple[Any, Any]], ps: Any) -> None:
     """At the first step, on every rank: a drill that would do nothing (:func:`unmatched`) stops
     every rank with exit code 2 and one line from rank 0, rather than rehearse nothing and look
     like a miss. ``stepped``: (entry, gradient or None) of what this rank's optimizer steps, as
-    :meth:`~megatron_patches.protocols.Seams.current_grads` yields them; a phase=grad drill acts
-    there only (under the distributed optimizer, on the ranks whose shard holds the parameter).
+    ``Seams.current_grads`` yields them (``ps``: as ``Seams.parallel_state`` does); a phase=grad drill
+    acts there only (under the distributed optimizer, on the ranks whose shard holds the parameter).
     Drills with no registered model (``chunks`` None: the optimizer was built by a function the guard
     never wrapped, as when megatron's optimizer is imported before the opt-in line) are refused too."""
     if not injector.specs:
@@ -383,9 +383,9 @@ def refuse_unmatched(injector: Injector, chunks: list, rank: int, stepped: Itera
         exit_refused(rank)
     if not chunks:
         return
-    params = [(info.name, info.order) for info in naming.name_parameters(chunks).values()]
+    params = [(info.name, info.order) for info in naming.name_parameters(chunks, ps).values()]
     grads = [(entry.info.name, entry.info.order) for entry, grad in stepped if grad is not None and grad.numel()]
-    modules = [name for name, _, _ in naming.name_modules(chunks)]
+    modules = [name for name, _, _ in naming.name_modules(chunks, ps)]
     every_rank = collectives.all_gather_floats(injector.holds(params, grads, modules))
     line = unmatched(injector, every_rank, [name for name, _ in params], modules)
     if line is not None:

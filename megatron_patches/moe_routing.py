@@ -38,10 +38,11 @@ class RoutingWatch:
         self._layers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._hooked: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
-    def attach(self, model_chunks: list) -> int:
-        """Hook every router of ``model_chunks`` (once per module); returns how many were hooked."""
+    def attach(self, model_chunks: list, ps: Any) -> int:
+        """Hook every router of ``model_chunks`` (once per module); returns how many were hooked.
+        ``ps``: megatron-core's parallel state, for the routers' names (``Seams.parallel_state``)."""
         hooked = 0
-        for name, _, module in naming.name_modules(model_chunks):
+        for name, _, module in naming.name_modules(model_chunks, ps):
             if name.endswith(ROUTER_SUFFIX) and module not in self._hooked:
                 self._hooked.add(module)
                 module.register_forward_hook(self._hook(name[: -len(".router")]))

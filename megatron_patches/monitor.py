@@ -139,7 +139,8 @@ class GradMonitor:
         if not run.drills_checked:  # once, at the first step, when every rank is here
             run.drills_checked = True
             inject.refuse_unmatched(run.drills, run.model_chunks.chunks_for(optimizer), self.rank,
-                                    run.seams.current_grads(optimizer, run.stage.entries_for(optimizer)))
+                                    run.seams.current_grads(optimizer, run.stage.entries_for(optimizer)),
+                                    run.seams.parallel_state())
         step = run.clock.tick()
         run.prepared.add(optimizer)
         if found_inf:  # fp16: the loss scaler found an overflow and skips the step

@@ -5,6 +5,10 @@ Names are what a non-pipelined ``model.named_parameters()`` would give, without 
 parallelism (``decoder.layers.0`` on the second stage of a 4-layer, PP=2 model is
 ``decoder.layers.2``). ``order`` runs along the forward pass over the whole model, so in
 backward order the bad parameter with the largest ``order`` is where the fault entered.
+
+The ranks and sizes come from ``ps``: megatron-core's ``parallel_state`` module as the seams hand
+it over (:meth:`~megatron_patches.protocols.Seams.parallel_state`), or None outside model
+parallelism (one rank of every group). This module imports no megatron.
 """
 
 from __future__ import annotations
@@ -66,22 +70,12 @@ def num_layers(chunk: Any) -> int:
     return int(getattr(config, "num_layers", 0) or 0)
 
 
-def _parallel_state():
-    try:
-        from megatron.core import parallel_state as ps
-
-        return ps if ps.model_parallel_is_initialized() else None
-    except Exception:  # pragma: no cover - megatron-core missing or too old
-        return None
-
-
-def rank_info() -> dict[str, int]:
+def rank_info(ps: Any) -> dict[str, int]:
     """{global, tp, pp, dp, cp, ep, edp, etp, vpp} of this process (0 where not initialized);
     ``edp`` is the expert-data-parallel rank, over which expert gradients are reduced, and ``etp``
     the expert-tensor-parallel rank, which holds one slice of each of its experts' weights
     (``--expert-tensor-parallel-size``; Megatron's default for MoE is the tensor-parallel size)."""
     ranks = {"global": rank()}
-    ps = _parallel_state()
     getters = {
         "tp": "get_tensor_model_parallel_rank",
         "pp": "get_pipeline_model_parallel_rank",
@@ -115,26 +109,23 @@ def expert_of(name: str, ep_rank: int, local_experts: int) -> Optional[tuple[int
     return ep_rank * local_experts + local, local
 
 
-def local_experts(model_chunks: list) -> int:
+def local_experts(model_chunks: list, ps: Any) -> int:
     """Routed experts each expert-parallel rank holds (0 for a dense model)."""
     config = next((getattr(_unwrap(c), "config", None) for c in model_chunks), None)
     experts = int(getattr(config, "num_moe_experts", None) or 0)
-    ps = _parallel_state()
     ep_size = ps.get_expert_model_parallel_world_size() if ps is not None else 1
     return experts // max(int(ep_size or 1), 1)
 
 
-def expert_place(model_chunks: list) -> tuple[int, int]:
+def expert_place(model_chunks: list, ps: Any) -> tuple[int, int]:
     """(this rank's expert-parallel rank, experts per EP rank) for :func:`expert_of`."""
-    ps = _parallel_state()
     ep_rank = ps.get_expert_model_parallel_rank() if ps is not None else 0
-    return int(ep_rank or 0), local_experts(model_chunks)
+    return int(ep_rank or 0), local_experts(model_chunks, ps)
 
 
-def world_layout() -> dict[str, int]:
+def world_layout(ps: Any) -> dict[str, int]:
     """{size, tp, pp, dp, cp, ep} sizes of the job."""
     size = world_size()
-    ps = _parallel_state()
     if ps is None:
         return {"size": size, "tp": 1, "pp": 1, "dp": size, "cp": 1, "ep": 1}
     return {
@@ -210,8 +201,7 @@ def _global_name(raw_name: str, renames: dict[str, str]) -> str:
     return name
 
 
-def _stage_of(chunk_index: int) -> int:
-    ps = _parallel_state()
+def _stage_of(chunk_index: int, ps: Any) -> int:
     pp_rank = ps.get_pipeline_model_parallel_rank() if ps else 0
     pp_size = ps.get_pipeline_model_parallel_world_size() if ps else 1
     return chunk_index * pp_size + pp_rank
@@ -223,14 +213,14 @@ def layer_of(name: str) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
-def name_modules(model_chunks: list) -> list[tuple[str, int, torch.nn.Module]]:
+def name_modules(model_chunks: list, ps: Any) -> list[tuple[str, int, torch.nn.Module]]:
     """(global dotted name, pipeline stage, module) for every named submodule of this rank's
     chunks: ``named_modules()`` names without wrapper prefixes, global layer numbers."""
     named = []
     for chunk_index, chunk in enumerate(model_chunks):
         model = _unwrap(chunk)
         renames = _layer_renames(model)
-        stage = _stage_of(chunk_index)
+        stage = _stage_of(chunk_index, ps)
         named += [(_global_name(raw, renames), stage, module) for raw, module in model.named_modules() if raw]
     return named
 
@@ -248,17 +238,16 @@ def counts_in_norm(param: Any, tp_rank: int, etp_rank: int) -> bool:
     return (etp_rank if not getattr(param, "allreduce", True) else tp_rank) == 0
 
 
-def name_parameters(model_chunks: list) -> dict[int, ParamInfo]:
+def name_parameters(model_chunks: list, ps: Any) -> dict[int, ParamInfo]:
     """``{id(param): ParamInfo}`` for every parameter of this rank's model chunks."""
-    ps = _parallel_state()
     tp_rank = ps.get_tensor_model_parallel_rank() if ps else 0
     etp_rank = int(getattr(ps, "get_expert_tensor_parallel_rank", lambda: 0)() or 0) if ps else 0
-    ep_rank, per_rank = expert_place(model_chunks)
+    ep_rank, per_rank = expert_place(model_chunks, ps)
     infos: dict[int, ParamInfo] = {}
     for chunk_index, chunk in enumerate(model_chunks):
         model = _unwrap(chunk)
         renames = _layer_renames(model)
-        stage = _stage_of(chunk_index)
+        stage = _stage_of(chunk_index, ps)
         for position, (raw_name, param) in enumerate(model.named_parameters()):
             name = _global_name(raw_name, renames)
             layer_match = _LAYER_IN_NAME.search(name)

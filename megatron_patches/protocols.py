@@ -137,6 +137,14 @@ class Seams(Protocol):
     def rng_state(self) -> dict:
         """Every random-number generator a step draws from on this rank (a fault scene keeps it)."""
 
+    def parallel_state(self) -> Any:
+        """megatron-core's ``parallel_state`` module once model parallelism is initialized, else
+        None: where :mod:`~megatron_patches.naming` reads ranks, sizes and groups
+        (:func:`megatron_patches.seams.parallel.parallel_state`)."""
+
+    def megatron_core_version(self) -> Optional[str]:
+        """The megatron-core version this process imports (a scene's ``environment.json``), None without one."""
+
     def record_fields(self, everyone: list["RankReport"], extra: dict) -> tuple[dict, str]:
         """Rank 0: the record's fields from Megatron's loss check and rerun, and a note for the message."""
 
@@ -158,6 +166,8 @@ class Guard(Protocol):
     served_norm, forward_origin) use on the guard."""
 
     config: "Config"
+    seams: Seams
+    """Megatron's side, as the core may use it (the job's parallel layout for the names, in a replay)."""
     counters: dict[str, int]
     """Totals over the job: checked_steps, skipped_steps, incidents, scaler_overflows, injected, served_norms,
     norm_kernel_calls (Megatron's L2 norm-kernel calls while guarded), shared_norm_reads (those answered

@@ -18,6 +18,7 @@ from typing import Any, Optional
 from .naming import slot_names
 from .incidents import HISTORY_FILE, HISTORY_SCHEMA, INCIDENTS_FILE, Incident, JsonlWriter, Outcome, finite_or_none
 from .decisions import Severity
+from .protocols import Seams
 
 log = logging.getLogger("megatron_patches")
 
@@ -25,9 +26,12 @@ log = logging.getLogger("megatron_patches")
 class Publisher:
     """Owns the guard's output files, scene writer and alert dispatcher (made on first use)."""
 
-    def __init__(self, config: Any, report_dir: str):
+    def __init__(self, config: Any, report_dir: str, seams: Seams):
+        """``seams``: Megatron's side, for the job's layout and megatron-core's version in a scene's
+        ``environment.json``."""
         self.config = config
         self.report_dir = report_dir
+        self.seams = seams
         self.incidents: Optional[JsonlWriter] = None
         self.history: Optional[JsonlWriter] = None
         self.scenes = None
@@ -97,7 +101,8 @@ class Publisher:
         path, payload = captured
         files = {}
         if record is not None:
-            files = {"environment.json": {**scene.environment(), "world": naming.world_layout()},
+            environment = scene.environment(self.seams.megatron_core_version())
+            files = {"environment.json": {**environment, "world": naming.world_layout(self.seams.parallel_state())},
                      "incident.json": record}
         self.scenes.submit(path, payload, files)  # the writer deep-copies what it is given
 

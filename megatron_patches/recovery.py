@@ -102,7 +102,7 @@ def replay(run: "InProcessRecovery", episode: Episode) -> Episode:
         return episode
     monitor = run.monitor
     monitor.set_step(episode.step)  # the replayed forward is this step again (forward drills)
-    with forward_origin.ForwardTrace(monitor.model_chunks.modules()) as trace:
+    with forward_origin.ForwardTrace(monitor.model_chunks.modules(), monitor.seams.parallel_state()) as trace:
         again = run.loop.replay_step(episode.step)
     origin, backward = forward_origin.gather_origin(trace, monitor.peers)
     incident = monitor.last_incident

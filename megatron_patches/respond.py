@@ -81,12 +81,14 @@ class Responder:
     broadcast. Holds rank 0's grading (:class:`GradePolicy`)."""
 
     def __init__(self, config: Config, detectors: list[Detector], peers: BoundedGroup,
-                 megatron_fields: RecordFields):
+                 megatron_fields: RecordFields, parallel_state: Callable[[], Any]):
         """``peers``: the guard's :class:`~megatron_patches.collectives.BoundedGroup`; no rank waits
         on another longer than ``response.peer_timeout_s`` while they agree. ``megatron_fields``:
-        the record's fields from Megatron's loss check and rerun (``Seams.record_fields``)."""
+        the record's fields from Megatron's loss check and rerun (``Seams.record_fields``);
+        ``parallel_state``: where the job's layout is read (``Seams.parallel_state``)."""
         self.config = config
         self.megatron_fields = megatron_fields
+        self.parallel_state = parallel_state
         self.detectors = detectors
         self.peers = peers
         self.policy = GradePolicy(config)
@@ -102,7 +104,8 @@ class Responder:
         everyone, checked = gather_reports(report, report.reports(), self.peers, tally=len(ctx.entries))
         if everyone:  # rank 0
             try:
-                facts = StepFacts(checked=checked, world=naming.world_layout(), action=action, rollbacks=rollbacks,
+                world = naming.world_layout(self.parallel_state())
+                facts = StepFacts(checked=checked, world=world, action=action, rollbacks=rollbacks,
                                   can_replay=can_replay, batch_info=batch_info, extra=self._extra(verdict),
                                   cause=cause)
                 decision, incident = decide(verdict, everyone, self.policy, facts, self.megatron_fields)
@@ -113,7 +116,7 @@ class Responder:
                 decision = Decision(Severity.CRITICAL, Action.STOP, "the guard failed while deciding on "
                                     f"this incident ({type(error).__name__}: {error}); stopped rather "
                                     "than apply gradients nobody judged", ctx.step)
-                incident = _fallback_incident(verdict, decision)
+                incident = _fallback_incident(verdict, decision, self.parallel_state)
         return broadcast_from_zero(decision, self.peers), incident
 
     def _extra(self, verdict: Verdict) -> dict[str, Any]:
@@ -129,19 +132,20 @@ class Responder:
         incident, no grading)."""
         first = None
         if verdict.flagged:
-            mine = local_findings(self.config, self.detectors, verdict.ctx, verdict.maxabs, verdict.total_over)
+            mine = local_findings(self.config, self.detectors, verdict.ctx, verdict.maxabs, verdict.total_over,
+                                  naming.rank_info(self.parallel_state()))
             parts, _ = gather_reports(mine, bool(mine), self.peers)
             found = first_of(f for part in parts for f in part)
             first = found.name if found is not None else None
         return broadcast_from_zero({"flagged": verdict.flagged, "first": first}, self.peers)
 
 
-def _fallback_incident(verdict: Verdict, decision: Decision) -> Optional[Incident]:
+def _fallback_incident(verdict: Verdict, decision: Decision, parallel_state: Callable[[], Any]) -> Optional[Incident]:
     """The incident the guard failed to assemble: what is known for sure."""
     try:
         return Incident(step=decision.step, decision=decision, kind="guard_error", kinds=("guard_error",),
                         message=decision.reason, params=(), first=None, ranks_affected=(),
-                        world=naming.world_layout(), total_norm=finite_or_none(verdict.ctx.total_norm))
+                        world=naming.world_layout(parallel_state()), total_norm=finite_or_none(verdict.ctx.total_norm))
     except Exception:
         log.exception("step %d: no record could be made of this incident", decision.step)
         return None

@@ -151,7 +151,7 @@ def build(config: Config, seams: Seams) -> RunState:
     drills = inject.build(config.inject, clock=lambda: (clock.upcoming(), collectives.rank()))
     model_chunks = seams.model_chunks()
     peers = collectives.BoundedGroup(config.response.peer_timeout_s)
-    detectors = detector_plugins.build(config)
+    detectors = detector_plugins.build(config, seams.parallel_state)
     report_dir = os.path.abspath(config.report_dir)
     return RunState(
         config=config, seams=seams, report_dir=report_dir,
@@ -160,8 +160,8 @@ def build(config: Config, seams: Seams) -> RunState:
         origin=seams.origin_watch(config.response.origin_check),
         routing=RoutingWatch(clock.upcoming, lambda step: step % config.check_interval == 0),
         loss_scale=seams.loss_scale_watch(config.detectors.loss_scale),
-        responder=Responder(config, detectors, peers, seams.record_fields),
-        publisher=Publisher(config, report_dir), clock=clock)
+        responder=Responder(config, detectors, peers, seams.record_fields, seams.parallel_state),
+        publisher=Publisher(config, report_dir, seams), clock=clock)
 
 
 def tell(state: RunState, event: str, *args: Any) -> list:

@@ -40,21 +40,17 @@ def scene_dir(report_dir: str, step: int, rank: int, episode: int = 0) -> str:
     return os.path.join(report_dir, SCENES_DIR, name, f"rank{rank:05d}")
 
 
-def environment() -> dict:
-    """Versions, devices and the environment variables that change numerics or communication."""
+def environment(megatron_core: Optional[str]) -> dict:
+    """Versions, devices and the environment variables that change numerics or communication;
+    ``megatron_core``: its version (``Seams.megatron_core_version``)."""
     env: dict[str, Any] = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "env": {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)},
+        "megatron_core": megatron_core,
     }
-    try:
-        from megatron.core import package_info
-
-        env["megatron_core"] = package_info.__version__
-    except ImportError:
-        env["megatron_core"] = None
     if torch.cuda.is_available():
         env["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         env["cuda_driver"] = getattr(torch.cuda, "driver_version", lambda: None)() if hasattr(torch.cuda, "driver_version") else None
@@ -166,19 +162,19 @@ def _size(obj: Any) -> int:
 
 
 def capture(report_dir: str, ctx: Any, findings: list, batch: dict, optimizer: Any, meta: dict,
-            overflow_mode: str, rank: int, episode: int, rng: dict) -> tuple[str, dict]:
+            overflow_mode: str, rank: int, episode: int, rng: dict, ranks: dict[str, int]) -> tuple[str, dict]:
     """This rank's scene of the check ``ctx`` as it is now: (path, payload) of CPU copies, nothing
     shared with training. ``batch``: the record's batch fields with ``samples`` and ``tokens``
     (this rank's micro-batch tensors, or None); ``meta``: the guard's step and rollbacks, to which
     the optimizer's param groups and loss scale are added; ``rng``: every RNG's state
-    (``Seams.rng_state``)."""
+    (``Seams.rng_state``); ``ranks``: this rank's (:func:`~megatron_patches.naming.rank_info`)."""
     from . import naming
 
     norms = ctx.norms.tolist() if ctx.norms is not None else []
     tokens = batch.get("tokens")
     payload = {
         "step": ctx.step,
-        "ranks": naming.rank_info(),
+        "ranks": ranks,
         "host": naming.host(),
         "device": naming.device_name(),
         "batch": {**batch, "tokens": [t.detach().cpu().clone() for t in tokens] if tokens else None},

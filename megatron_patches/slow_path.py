@@ -60,11 +60,12 @@ def rank_report(state: RunState, verdict: Verdict, before: PreReduction,
     ctx = verdict.ctx
     own_origin = before.is_origin()
     pre_reduction = before.named(state.model_chunks) if own_origin else before.findings
-    findings = local_findings(state.config, state.detectors, ctx, verdict.maxabs, verdict.total_over)
+    ranks = naming.rank_info(state.seams.parallel_state())
+    findings = local_findings(state.config, state.detectors, ctx, verdict.maxabs, verdict.total_over, ranks)
     if state.drills.kills(ctx.step, rank):  # drill: this rank is lost in mid-incident
         os.kill(os.getpid(), signal.SIGKILL)
     report = RankReport(
-        ranks=naming.rank_info(), findings=tuple(findings), pre_reduction=tuple(pre_reduction), origin=own_origin,
+        ranks=ranks, findings=tuple(findings), pre_reduction=tuple(pre_reduction), origin=own_origin,
         batch=state.batch.samples, injected=tuple(state.drills.fired_at(ctx.step)),
         megatron=state.rerun.part(ctx.step),  # Megatron's loss check and rerun verdict
         moe_routing=state.routing.share(ctx.step))
@@ -87,7 +88,8 @@ def capture_scene(state: RunState, verdict: Verdict, findings: list, rank: int) 
     batch = {**state.batch.info, "samples": list(state.batch.samples), "tokens": state.batch.tokens}
     return scene.capture(state.report_dir, verdict.ctx, findings, batch, state.stage.first_optimizer(),
                          {"step": state.clock.step, "rollbacks": state.rollbacks}, state.resolved_overflow_mode(),
-                         rank, episode=state.rollbacks, rng=state.seams.rng_state())
+                         rank, episode=state.rollbacks, rng=state.seams.rng_state(),
+                         ranks=naming.rank_info(state.seams.parallel_state()))
 
 
 def peer_lost(state: RunState, step: int, error: Exception) -> NoReturn:

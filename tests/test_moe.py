@@ -140,7 +140,7 @@ def _model_with_a_router() -> torch.nn.Module:
 def test_the_routing_watch_keeps_one_passs_tokens_per_expert_and_router_finiteness():
     model, step = _model_with_a_router(), [3]
     watch = moe_routing.RoutingWatch(lambda: step[0], lambda s: s != 5)  # step 5 is not checked
-    assert watch.attach([model]) == 1 and watch.attach([model]) == 0  # hooked once
+    assert watch.attach([model], None) == 1 and watch.attach([model], None) == 0  # hooked once
     router = model.decoder.layers[0].mlp.router
     to_expert = lambda *experts: torch.nn.functional.one_hot(torch.tensor(experts), 4).bool()  # noqa: E731
     router(torch.rand(3, 4), to_expert(0, 0, 2))  # two micro-batches of step 3

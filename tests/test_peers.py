@@ -159,13 +159,14 @@ def test_the_layer_table_is_the_models_size_agreed_by_the_ranks_not_a_fixed_max_
 
     from megatron_patches.detectors.peers import PeersDetector
 
-    detector = PeersDetector(Config().detectors.peers)
+    detector = PeersDetector(Config().detectors.peers, lambda: None)
     assert detector.width() == 5 + 32 + 4096  # before the first check
     entry = lambda name, layer: SimpleNamespace(info=SimpleNamespace(name=name, layer=layer))  # noqa: E731
     stage_1 = [entry(f"decoder.layers.{i}.{t}", i) for i in (2, 3) for t in ("a.weight", "b.weight", "b.bias")]
     assert detector.sizes(stage_1 + [entry("output_layer.weight", None)]) == [4, 3]
     detector.size([96, 12])
     assert detector.width() == 5 + 32 + 96 * 12
-    capped = PeersDetector(Config.from_dict({"detectors": {"peers": {"max_slots": 100}}}).detectors.peers)
+    capped = PeersDetector(Config.from_dict({"detectors": {"peers": {"max_slots": 100}}}).detectors.peers,
+                           lambda: None)
     capped.size([96, 12])
     assert capped.width() == 5 + 32 + 100

@@ -138,7 +138,8 @@ def test_a_report_survives_the_gather_as_a_value():
 
 def test_a_failure_while_deciding_becomes_a_critical_stop_with_a_record():
     """A report rank 0 cannot read (no data-parallel rank): the guard's own error, in one process."""
-    responder = Responder(Config(), [], peers=None, megatron_fields=lambda everyone, extra: ({}, ""))
+    responder = Responder(Config(), [], peers=None, megatron_fields=lambda everyone, extra: ({}, ""),
+                          parallel_state=lambda: None)
     broken = RankReport(ranks={"global": 0}, origin=True, findings=(finding(FC1, 12, 0, layer=1),))
     decision, incident = responder.agree(verdict(), broken, action=Action.SKIP_STEP, batch_info={}, rollbacks=0,
                                          can_replay=False)

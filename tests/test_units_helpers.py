@@ -62,7 +62,7 @@ def test_a_parameter_carries_the_virtual_pipeline_rank_of_its_own_chunk():
     """Two model chunks (an interleaved schedule): each parameter is named with its chunk's
     virtual rank, whatever rank_info says is running now."""
     chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
-    infos = naming.name_parameters(chunks)
+    infos = naming.name_parameters(chunks, None)
     running = {"global": 0, "tp": 0, "pp": 0, "dp": 0, "cp": 0, "ep": 0, "vpp": 0}
     assert [naming.param_ranks(running, infos[id(p)])["vpp"] for c in chunks for p in c.parameters()] == [0, 0, 1, 1]
     assert naming.param_ranks(running, None) == running

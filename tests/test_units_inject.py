@@ -226,10 +226,10 @@ def test_drills_for_an_optimizer_whose_model_the_guard_never_saw_are_refused(gua
     from megatron_patches.inject import Injector, refuse_unmatched
 
     with pytest.raises(SystemExit) as stopped:
-        refuse_unmatched(Injector([parse_spec("nan:step=3")]), None, 0, [])
+        refuse_unmatched(Injector([parse_spec("nan:step=3")]), None, 0, [], None)
     assert stopped.value.code == 2
     assert "drills 'nan:step=3' cannot act: the guard does not know this optimizer's model" in guard_log.text
-    refuse_unmatched(Injector([parse_spec("poison:sample=7")]), None, 0, [])  # goes on
+    refuse_unmatched(Injector([parse_spec("poison:sample=7")]), None, 0, [], None)  # goes on
 
 
 @pytest.mark.parametrize("ranks, said", [([3], "3"), ([0, 1, 2, 5], "0-2, 5"), ([1, 3, 4, 5, 7], "1, 3-5, 7")])

@@ -14,7 +14,7 @@ rank 0 alone and must not communicate.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from .base import CheckContext, Detector, Rotation
 from .consistency import ConsistencyDetector
@@ -24,14 +24,15 @@ from .peers import PeersDetector
 __all__ = ["CheckContext", "Detector", "Rotation", "build"]
 
 
-def build(config: Any) -> list:
-    """The detectors ``config`` switches on, in a fixed order (the vector layout depends on it)."""
+def build(config: Any, parallel_state: Callable[[], Any]) -> list:
+    """The detectors ``config`` switches on, in a fixed order (the vector layout depends on it).
+    ``parallel_state``: where they read the job's layout (``Seams.parallel_state``)."""
     settings = config.detectors
     detectors: list = []
     if settings.history.enabled:
         detectors.append(HistoryDetector(settings.history))
     if settings.consistency.enabled:
-        detectors.append(ConsistencyDetector(settings.consistency))
+        detectors.append(ConsistencyDetector(settings.consistency, parallel_state))
     if settings.peers.enabled:
-        detectors.append(PeersDetector(settings.peers))
+        detectors.append(PeersDetector(settings.peers, parallel_state))
     return detectors

@@ -34,7 +34,7 @@ import logging
 import math
 import weakref
 from collections import Counter
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -84,17 +84,15 @@ def _tensor_sums(tensors: list) -> torch.Tensor:
     return torch.stack([_bits_sum(t) for t in tensors]).to(torch.int64)
 
 
-def _parallel_state():
-    return naming._parallel_state()
-
-
 class ConsistencyDetector(Detector):
     """Data-parallel replicas compared bit-exactly each checked step (kind ``rank_mismatch``)."""
 
     name = "consistency"
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, parallel_state: Callable[[], Any]):
+        """``parallel_state``: megatron-core's, where the data-parallel group is read (``Seams.parallel_state``)."""
         self.cfg = cfg
+        self.parallel_state = parallel_state
         self._rotation = Rotation(cfg.interval, cfg.sample_fraction)
         self._checks = 0
         self._active = False
@@ -121,7 +119,7 @@ class ConsistencyDetector(Detector):
 
     def _dp_group(self) -> tuple:
         if self._group is None:
-            ps = _parallel_state()
+            ps = self.parallel_state()
             group = ps.get_data_parallel_group(with_context_parallel=True) if ps is not None else None
             ranks = (torch.distributed.get_process_group_ranks(group) if group is not None
                      else list(range(collectives.world_size())))
@@ -313,7 +311,7 @@ class ConsistencyDetector(Detector):
         # the shards it owns); the record lists every differing name under suspected_hardware.
         by_name = {e.info.name: i for i, e in enumerate(ctx.entries)}
         self._mine = {by_name[n]: ["rank_mismatch"] for n in differing if n in by_name}
-        who = {"rank": me, **{k: v for k, v in naming.rank_info().items() if k != "global"},
+        who = {"rank": me, **{k: v for k, v in naming.rank_info(self.parallel_state()).items() if k != "global"},
                "host": naming.host(), "device": naming.device_name(), "params": differing}
         world = [None] * collectives.world_size()
         torch.distributed.all_gather_object(world, who)
@@ -323,7 +321,7 @@ class ConsistencyDetector(Detector):
         if self._mode == "grads":
             pairs = [(e.info.name, g) for e, g in zip(ctx.entries, ctx.grads) if getattr(e.model, "allreduce", True)]
         else:
-            infos = naming.name_parameters(self._live_chunks())
+            infos = naming.name_parameters(self._live_chunks(), self.parallel_state())
             pairs = [(infos[id(p)].name if id(p) in infos else f"param[{i}]", p.detach())
                      for i, p in enumerate(p for c in self._live_chunks() for p in c.parameters())
                      if p.requires_grad and getattr(p, "allreduce", True) and p.numel() > 0]

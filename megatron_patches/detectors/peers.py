@@ -43,7 +43,7 @@ import logging
 import os
 import re
 import zlib
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -80,8 +80,10 @@ class PeersDetector(Detector):
 
     name = "peers"
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, parallel_state: Callable[[], Any]):
+        """``parallel_state``: megatron-core's, for the parameters' names (``Seams.parallel_state``)."""
         self.cfg = cfg
+        self.parallel_state = parallel_state
         self._rotation = Rotation(cfg.interval)
         self._checks = 0
         self._active = False
@@ -184,7 +186,7 @@ class PeersDetector(Detector):
         # distributed optimizer a rank holds shards of only some tensors, and every rank must
         # number the roles alike.
         if self._model_roles is None:
-            infos = naming.name_parameters(model_chunks).values()
+            infos = naming.name_parameters(model_chunks, self.parallel_state()).values()
             self._model_roles = sorted({role_of(i.name) for i in infos if i.layer is not None})
 
     # --- slow path -------------------------------------------------------------------

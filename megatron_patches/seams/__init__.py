@@ -11,7 +11,7 @@ recovery) never imports this package (``tests/test_units_imports.py``); it is ha
 - the rerun state machine (:mod:`.rerun_machine`), optimizer pairing (:mod:`.optimizer_params`,
   :mod:`.model_chunks`), the norm served to ``get_grad_norm`` (:mod:`.served_norm`), the norm
   kernel's call shared with Megatron's clipping norm (:mod:`.megatron_norm`), the fp16
-  loss scaler (:mod:`.loss_scale`);
+  loss scaler (:mod:`.loss_scale`), the parallel layout and megatron-core's version (:mod:`.parallel`);
 - the loops: Megatron-LM's ``pretrain_gpt.py`` (:mod:`.megatron_lm`, with :mod:`.megatron_lm_rollback`
   applying the ledger at a restart and :mod:`.megatron_lm_checkpoints` marking checkpoints),
   MindSpeed (:mod:`.mindspeed`) and MindSpeed-LLM (:mod:`.mindspeed_llm`).
@@ -25,7 +25,7 @@ from typing import Any
 
 from ..config import Config
 from ..monitor import GradMonitor
-from . import grad_sync, megatron_norm, mindspeed, optimizer_params, origin, rerun_machine, rng, served_norm, wrappers
+from . import grad_sync, megatron_norm, mindspeed, optimizer_params, origin, parallel, rerun_machine, rng, served_norm, wrappers
 from .loss_scale import LossScaleWatch
 from .model_chunks import ModelChunks
 
@@ -44,6 +44,8 @@ class MegatronSeams:
     remember_norm = staticmethod(served_norm.remember)
     record_fields = staticmethod(rerun_machine.record_fields)
     rng_state = staticmethod(rng.rng_state)
+    parallel_state = staticmethod(parallel.parallel_state)
+    megatron_core_version = staticmethod(parallel.megatron_core_version_or_none)
 
     def __init__(self) -> None:
         self.kernel_calls = megatron_norm.KernelCalls()

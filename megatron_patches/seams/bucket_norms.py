@@ -32,6 +32,7 @@ from ..incidents import ParamFinding
 from .model_chunks import ModelChunks
 from .optimizer_params import model_grad
 from ..protocols import Guard
+from .parallel import parallel_state
 
 log = logging.getLogger("megatron_patches")
 
@@ -81,7 +82,7 @@ def check_grads(monitor: Guard, group: Any, call: Callable[[], Any]) -> Any:
                      ", ".join(f"{n:g}" for n in scope.norms))
             return result
         monitor.note_pre_reduction(findings)
-        ranks = naming.rank_info()
+        ranks = naming.rank_info(parallel_state())
         names = ", ".join(f"{f.name} ({'nan' if f.nan else 'inf'} {f.nan or f.inf})" for f in findings) or "none found"
         log.warning("step %d: before the data-parallel reduction: non-finite local gradient on rank %d "
                     "(tp %d, pp %d, dp %d), bucket norm(s) %s: %s; not fatal to Megatron's RerunStateMachine, "
@@ -116,7 +117,7 @@ def nonfinite_params(chunks: ModelChunks, group: Any) -> list[ParamFinding]:
     """This rank's parameters in ``group`` whose local gradient holds NaN/Inf (the fault path)."""
     params = chunks.group_params(group)
     infos = names_of(chunks, params)
-    ranks, host, device = naming.rank_info(), naming.host(), naming.device_name()
+    ranks, host, device = naming.rank_info(parallel_state()), naming.host(), naming.device_name()
     findings = []
     for param in params:
         grad = model_grad(param)
@@ -152,7 +153,7 @@ def names_of(model_chunks: ModelChunks, params: list) -> dict:
     """Names from the model chunks the optimizer was built for (the chunks holding ``params``)."""
     wanted = {id(p) for p in params}
     for chunks in model_chunks.known():
-        infos = naming.name_parameters(chunks)
+        infos = naming.name_parameters(chunks, parallel_state())
         if wanted & infos.keys():
             return infos
     return {}

@@ -17,6 +17,7 @@ import torch
 
 from .. import naming
 from ..collectives import local_shard
+from .parallel import parallel_state
 
 
 @dataclass
@@ -70,9 +71,9 @@ def uses_decoupled_grad(leaf: Any) -> bool:
 def build_entries(optimizer: Any, model_chunks: list) -> tuple[list[Entry], int]:
     """Entries of every parameter ``optimizer`` steps on this rank, and the number of per-layer
     slots (transformer layers, embedding, output side)."""
-    infos = naming.name_parameters(model_chunks)
+    infos = naming.name_parameters(model_chunks, parallel_state())
     num_layers = max((naming.num_layers(c) for c in model_chunks), default=0)
-    ps = naming._parallel_state()
+    ps = parallel_state()
     dense_dp = ps.get_data_parallel_world_size(with_context_parallel=True) if ps else 1
     expert_dp = ps.get_expert_data_parallel_world_size() if ps and hasattr(ps, "get_expert_data_parallel_world_size") else 1
     entries = []

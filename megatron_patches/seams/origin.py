@@ -26,11 +26,12 @@ from .model_chunks import ModelChunks
 from ..collectives import collective_device
 from ..incidents import ParamFinding
 from .optimizer_params import model_grad
+from .parallel import parallel_state
 
 
 def named_grads(chunks: list) -> list[tuple[str, int, torch.Tensor]]:
     """(global name, forward order, gradient) of every parameter of ``chunks`` holding one."""
-    infos = naming.name_parameters(chunks)
+    infos = naming.name_parameters(chunks, parallel_state())
     return [(infos[id(p)].name, infos[id(p)].order, g) for chunk in chunks for p in chunk.parameters()
             if (g := model_grad(p)) is not None and id(p) in infos]
 
@@ -95,7 +96,7 @@ class OriginWatch:
         nowhere else a fault could have entered. With one data-parallel replica but tensor or
         pipeline parallel ranks, finalize_model_grads' reductions still carry a fault across."""
         if self._world_size is None:
-            self._world_size = naming.world_layout()["size"]
+            self._world_size = naming.world_layout(parallel_state())["size"]
         return self.enabled and self._world_size > 1
 
     def note_bucket_check(self) -> None:
@@ -154,8 +155,8 @@ def _norm_findings(model_chunks: ModelChunks, origin_norms: Optional[tuple]) -> 
     if chunks is None:
         infos = names_of(model_chunks, params)
     else:
-        infos = naming.name_parameters(chunks)
-    ranks, host, device = naming.rank_info(), naming.host(), naming.device_name()
+        infos = naming.name_parameters(chunks, parallel_state())
+    ranks, host, device = naming.rank_info(parallel_state()), naming.host(), naming.device_name()
     findings = []
     for param, norm in zip(params, norms.tolist()):
         if math.isfinite(norm):

@@ -28,6 +28,7 @@ from .. import versions
 from ..errors import UnsupportedVersionError
 from . import mindspeed
 from .marks import _our_wrapper, already_hooked
+from .parallel import megatron_core_version
 from .targets import MEGATRON_CORE_SUPPORTED, TARGETS, TRAINING_TARGETS, PatchTarget
 
 log = logging.getLogger("megatron_patches")
@@ -44,12 +45,6 @@ class _Installed:
 _installed: list[_Installed] = []
 _first_call_seen = False
 _unwatch: list[Any] = []
-
-
-def megatron_core_version() -> str:
-    from megatron.core import package_info
-
-    return package_info.__version__
 
 
 def check_version(spec: str = MEGATRON_CORE_SUPPORTED, version: Optional[str] = None) -> str:

@@ -41,6 +41,7 @@ from .. import forward_origin
 from ..findings import RankReport
 from ..incident_text import module_text
 from ..protocols import Guard
+from .parallel import parallel_state
 
 log = logging.getLogger("megatron_patches")
 
@@ -166,7 +167,8 @@ def after_should_run(monitor: Guard, machine: Any, again: bool) -> None:
         watch.first = (step, first) if any(first.values()) else None
     elif watch.trace is None and in_place and bucket_norms.checks_nonfinite(monitor):
         monitor.routing.restart()  # the rerun routes the step's tokens again
-        watch.trace = (monitor.upcoming_step(), forward_origin.ForwardTrace(monitor.model_chunks.modules()).__enter__())
+        trace = forward_origin.ForwardTrace(monitor.model_chunks.modules(), parallel_state())
+        watch.trace = (monitor.upcoming_step(), trace.__enter__())
 
 
 def _state_name(machine: Any) -> str:

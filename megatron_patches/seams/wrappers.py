@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 from . import bucket_norms, grad_sync, rerun_machine, served_norm
 from .. import forward_origin
 from .mindspeed import undo_prepare_on_skip
+from .parallel import parallel_state
 
 _monitor: Optional[Any] = None
 """The one pointer to the run: the active monitor holds everything else the run keeps (its
@@ -50,8 +51,8 @@ def register_model(optimizer: Any, model_chunks: list) -> None:
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     _monitor.model_chunks.remember(optimizer, chunks)
     if _monitor.drills.forward_specs():
-        forward_origin.attach_drills(_monitor, chunks)
-    _monitor.routing.attach(chunks)  # after the drills: a drilled router is seen as broken (MoE routers, if any)
+        forward_origin.attach_drills(_monitor, chunks, parallel_state())
+    _monitor.routing.attach(chunks, parallel_state())  # after the drills: a drilled router is seen as broken (MoE routers, if any)
 
 
 @contextlib.contextmanager
