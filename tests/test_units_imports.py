@@ -101,6 +101,54 @@ def test_the_core_never_imports_megatron_seams_or_what_starts_a_run():
     assert {layer(m) for m in graph} == {"core", "seams", "outer"}  # the split is not empty on either side
 
 
+# --- the core imports no megatron or mindspeed module, not even inside a function (issue 43 items 5, 9) ---
+
+FOREIGN = ("megatron", "mindspeed")
+"""Top-level packages the core must not import: Megatron's and MindSpeed's (``megatron_patches`` is ours)."""
+OUTSIDE_THE_CORE = ("seams", "testing")
+"""Subpackages that may import them: Megatron's seams and the CPU test runtime."""
+
+
+def foreign_imports(root: Path = PACKAGE) -> list[str]:
+    """``module.py:line imports name`` for each import of a :data:`FOREIGN` package in the core
+    modules under ``root``, wherever the import stands (a function body or a ``TYPE_CHECKING``
+    block included), and for each ``importlib.import_module`` / ``__import__`` of one by a literal name."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[0] in OUTSIDE_THE_CORE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] if node.level == 0 else []
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in (
+                    "import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
+                names = [str(node.args[0].value)]
+            else:
+                continue
+            found += [f"{path.relative_to(root.parent)}:{node.lineno} imports {name}" for name in names
+                      if name.partition(".")[0] in FOREIGN]
+    return found
+
+
+def test_the_core_imports_no_megatron_or_mindspeed_module():
+    """What the core needs of Megatron (the parallel layout, megatron-core's version) it is handed
+    by the seams (``Seams.parallel_state``, ``Seams.megatron_core_version``)."""
+    assert foreign_imports() == []
+
+
+def test_the_foreign_import_finder_sees_imports_inside_functions(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "seams").mkdir(parents=True)
+    (package / "seams" / "ok.py").write_text("import megatron.core\n")
+    (package / "core.py").write_text("import os\n\n\ndef f():\n    from megatron.core import parallel_state\n"
+                                     "    import mindspeed.patch_utils\n    importlib.import_module('megatron.training')\n")
+    assert foreign_imports(package) == ["pkg/core.py:5 imports megatron.core",
+                                        "pkg/core.py:6 imports mindspeed.patch_utils",
+                                        "pkg/core.py:7 imports megatron.training"]
+
+
 def test_the_cycle_finder_finds_one():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
