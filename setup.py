@@ -19,7 +19,11 @@ setup(
     description="Gradient NaN/Inf/explosion detection, diagnosis and recovery for Megatron-LM's optimizer",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["megatron_patches", "megatron_patches.*"]),
+    # megatron_patches/testing (the CPU runtime and the tiny-GPT harness) is the repository's test
+    # vehicle, not the product: the wheel leaves it out; `pip install -e .` (make install) keeps
+    # it importable from the checkout.
+    packages=find_packages(include=["megatron_patches", "megatron_patches.*"],
+                           exclude=["megatron_patches.testing", "megatron_patches.testing.*"]),
     python_requires=">=3.11",  # enum.StrEnum
     install_requires=[
         # The registry's supported range: 0.12.x to 0.19.x and main (0.20). pip picks the newest

@@ -1,0 +1,89 @@
+"""The wheel users install holds the product, not the repository's test vehicle (issue 43 item 5):
+no ``megatron_patches/testing``, every other module. Installed from that wheel alone, the opt-in
+imports and the tiny-GPT command says in one line that it needs a checkout of the repository.
+The editable install (``make install``) keeps ``megatron_patches.testing`` importable."""
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.process, pytest.mark.one_line]  # a fresh process; the same on every line
+
+ROOT = Path(__file__).resolve().parent.parent
+LEFT_OUT = "megatron_patches/testing/"
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """A clean copy of what setup.py packages (a build/ folder left in the checkout could carry
+    files of an earlier build into the wheel)."""
+    copy = tmp_path_factory.mktemp("source")
+    for name in ("setup.py", "README.md"):
+        shutil.copy(ROOT / name, copy / name)
+    shutil.copytree(ROOT / "megatron_patches", copy / "megatron_patches", ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+def pip(*args: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "pip", *args, "--no-deps", "--no-build-isolation", "--no-index",
+                           "--quiet"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture(scope="module")
+def wheel(source, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    pip("wheel", "--wheel-dir", str(out), str(source))
+    (found,) = out.glob("megatron_patches-*.whl")
+    return found
+
+
+def run_installed(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python -S args`` seeing the unpacked wheel and this interpreter's site-packages (torch,
+    megatron-core) as plain paths: no .pth file runs, so an editable install of the checkout
+    cannot lend the package back its testing/."""
+    libraries = [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *libraries])}
+    return subprocess.run([sys.executable, "-S", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_the_wheel_leaves_the_test_runtime_out_and_holds_every_other_module(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert [n for n in names if n.startswith(LEFT_OUT)] == []
+    product = {path.relative_to(ROOT).as_posix() for path in (ROOT / "megatron_patches").rglob("*.py")
+               if not path.relative_to(ROOT).as_posix().startswith(LEFT_OUT)}
+    assert product - names == set()
+    assert {"megatron_patches/apply.py", "megatron_patches/seams/parallel.py"} <= names
+
+
+def test_installed_from_the_wheel_the_opt_in_imports_and_the_demo_asks_for_a_checkout(wheel, tmp_path):
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    opt_in = run_installed(site, tmp_path, "-c", "import importlib.util, megatron_patches.apply as a; "
+                           "print(a.__file__); print(importlib.util.find_spec('megatron_patches.testing'))")
+    assert opt_in.returncode == 0, opt_in.stderr
+    assert opt_in.stdout.splitlines() == [str(site / "megatron_patches" / "apply.py"), "None"]
+
+    demo = run_installed(site, tmp_path, "-m", "megatron_patches.tiny_gpt", "--steps", "1")
+    assert demo.returncode != 0 and demo.stdout == ""
+    assert demo.stderr.splitlines() == [demo.stderr.strip()] and "Traceback" not in demo.stderr
+    assert "the tiny-GPT demo needs a checkout of the repository" in demo.stderr
+
+
+def test_an_editable_install_keeps_the_test_runtime(source, tmp_path):
+    """``make install`` (``pip install -e .``): the repository's tests and ``make demo`` import
+    megatron_patches.testing from the checkout."""
+    # --ignore-installed: pip would otherwise first uninstall this environment's own install of the package.
+    pip("install", "--ignore-installed", "--editable", str(source), "--prefix", str(tmp_path / "prefix"))
+    site = sysconfig.get_path("purelib", vars={"base": str(tmp_path / "prefix"), "platbase": str(tmp_path / "prefix")})
+    found = run_installed(Path(site), tmp_path, "-c", f"import site; site.addsitedir({site!r}); "
+                          "import megatron_patches.testing.tiny_gpt as t; print(t.__file__)")
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.strip() == str(source / "megatron_patches" / "testing" / "tiny_gpt.py")
