@@ -3,6 +3,9 @@ that needs the dispatcher, or the registry that needs the code it wires, is a de
 function-level import only hides."""
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,6 +150,21 @@ def test_the_foreign_import_finder_sees_imports_inside_functions(tmp_path):
     assert foreign_imports(package) == ["pkg/core.py:5 imports megatron.core",
                                         "pkg/core.py:6 imports mindspeed.patch_utils",
                                         "pkg/core.py:7 imports megatron.training"]
+
+
+def test_the_core_units_run_with_no_megatron_importable():
+    """The unit tests in a process where no ``megatron`` or ``mindspeed`` module imports (the
+    ``tests/no_megatron.py`` plugin): every one passes or skips for want of Megatron; this test
+    itself is left out of that run."""
+    tests = Path(__file__).resolve().parent
+    units = sorted(str(p) for p in tests.glob("test_units_*.py"))
+    here = f"{Path(__file__).name}::test_the_core_units_run_with_no_megatron_importable"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no_megatron", "-p", "no:cacheprovider",
+                          "--deselect", f"tests/{here}", *units], cwd=tests.parent, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout.splitlines()[-1], run.stdout[-500:]
 
 
 def test_the_cycle_finder_finds_one():

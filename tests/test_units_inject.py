@@ -108,6 +108,7 @@ def test_a_bad_spec_is_refused_naming_the_spec_and_the_problem(text, message):
 def test_the_drills_are_the_runs_and_go_with_it(clean_patches):
     """runtime.install gives the run's monitor config.inject as its drills; a second run in the
     process starts with its own, and none is left anywhere once the guard is uninstalled."""
+    pytest.importorskip("megatron.core", reason="runtime.install patches megatron-core")
     from megatron_patches.seams import wrappers
     from megatron_patches import runtime
     from megatron_patches.config import Config
