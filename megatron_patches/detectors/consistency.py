@@ -74,8 +74,7 @@ _MASK24 = (1 << 24) - 1
 def _pieces(bits: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     """The fingerprint's 80 bits (``bits``: the squared norm's 32, ``total``: the checksum's 48,
     both int64 0-d) as twenty 4-bit integers."""
-    shifts = torch.arange(0, 48, _PIECE_BITS, device=bits.device)
-    mask = (1 << _PIECE_BITS) - 1
+    shifts, mask = torch.arange(0, 48, _PIECE_BITS, device=bits.device), (1 << _PIECE_BITS) - 1
     return torch.cat([(bits >> shifts[:32 // _PIECE_BITS]) & mask, (total >> shifts) & mask])
 
 
@@ -98,6 +97,7 @@ class ConsistencyDetector(Detector):
         self._active = False
         self._group: Optional[tuple] = None  # (key, ranks, process group)
         self._chunks: list = []
+        self._listed: Optional[tuple] = None  # (ids of the chunks, their compared parameters)
         self._mode = "grads"
         self._weights: dict = {}
         self._fp: Optional[torch.Tensor] = None  # this check's [sum of squares, checksum low, high]
@@ -147,7 +147,7 @@ class ConsistencyDetector(Detector):
         if sample is not None:
             tensors = [tensors[i] for i in sample]
             if self._mode == "params":  # the norms were not read: take them over the share only
-                norms = torch.stack(torch._foreach_norm(tensors))
+                norms = torch.stack(torch._foreach_norm([t.detach() for t in tensors]))
         square = norms.float().square().sum() if tensors else torch.zeros((), device=ctx.device)
         # One bit pattern for NaN: a group's pieces then sum to 0 exactly when the fingerprints
         # compare equal (_comparable), so the verdict can rest on the reduced vector alone.
@@ -206,7 +206,7 @@ class ConsistencyDetector(Detector):
         if not params:
             return [], None
         if self._sample(len(params)) is None:
-            return params, torch.stack(torch._foreach_norm(params))
+            return params, torch.stack(torch._foreach_norm([p.detach() for p in params]))
         return params, None
 
     def _target(self, ctx: CheckContext) -> str:
@@ -219,9 +219,12 @@ class ConsistencyDetector(Detector):
     def _live_chunks(self) -> list:
         return [c for c in (ref() for ref in self._chunks) if c is not None]
 
-    def _params(self) -> list:
-        return [p.detach() for c in self._live_chunks() for p in c.parameters()
-                if p.requires_grad and getattr(p, "allreduce", True) and p.numel() > 0]
+    def _params(self) -> list:  # the dense parameters compared, listed once per set of chunks
+        chunks = self._live_chunks()
+        if self._listed is None or self._listed[0] != [id(c) for c in chunks]:
+            self._listed = ([id(c) for c in chunks], [p for c in chunks for p in c.parameters()
+                            if p.requires_grad and getattr(p, "allreduce", True) and p.numel() > 0])
+        return self._listed[1]
 
     def _share(self) -> int:
         """Which rotating share of the tensors this check's sum of squares covers (0: all of
