@@ -80,7 +80,8 @@ def list_checkpoints(root: str) -> list[tuple[int, str, bool]]:
 
 
 def read_marker(directory: str) -> Optional[tuple[int, bool]]:
-    """(step, healthy) from ``directory``'s marker; None, with a warning, when it is unusable."""
+    """(step, a rollback target) from ``directory``'s marker: healthy, and certified where the marker
+    says it awaits certification (``certified_at: null``); None, with a warning, when unusable."""
     path = os.path.join(directory, MARKER)
     try:
         with open(path, encoding="utf-8") as handle:
@@ -95,7 +96,10 @@ def read_marker(directory: str) -> Optional[tuple[int, bool]]:
         return _bad_marker(path, f"has step {step!r}, not a non-negative integer")
     if not isinstance(healthy, bool):
         return _bad_marker(path, f"has healthy {healthy!r}, not true or false")
-    return step, healthy
+    certified = marker.get("certified_at", step)  # markers from before certification: targets as they were
+    if certified is not None and (isinstance(certified, bool) or not isinstance(certified, int)):
+        return _bad_marker(path, f"has certified_at {certified!r}, not an integer or null")
+    return step, healthy and certified is not None
 
 
 def _bad_marker(path: str, why: str) -> None:

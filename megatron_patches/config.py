@@ -247,9 +247,10 @@ class RecoveryConfig:
     """In-process mode: snapshots held per rank (host memory: this many copies of the rank's
     parameters and optimizer state, said at the first snapshot)."""
     certify_steps: int = field(default=1, metadata={"check": check.at_least_one})
-    """A snapshot becomes a rollback target after this many further checked steps came out clean
-    (the first of them checks the gradients of the snapshot's own parameters and, with the
-    consistency detector, that the replicas agree on them); a flagged step before that drops it."""
+    """A snapshot or a Megatron-LM checkpoint becomes a rollback target after this many further
+    checked steps came out clean (the first of them checks the gradients of its own parameters
+    and, with the consistency detector, that the replicas agree on them); a flagged step before
+    that drops the snapshot and marks the checkpoint not certified."""
     lr_factor: float = field(default=0.5, metadata={"check": check.share})
     """Each rollback multiplies the learning rate by this (1: a rollback that changes nothing but
     the iterations redone)."""

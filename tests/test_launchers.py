@@ -30,11 +30,12 @@ NVRX_PATH = os.environ.get("NVRX_PATH")
 @pytest.mark.skipif(not NVRX_PATH, reason="NVRX_PATH not set: a directory where nvidia_resiliency_ext imports")
 def test_ft_launcher_restarts_the_job_after_a_rollback_and_it_resumes_from_the_healthy_checkpoint(tmp_path):
     """ft_launcher --max-restarts 2 around Megatron-LM's packaged loop (2 ranks): a persistent NaN
-    makes every rank exit 84 at iteration 4; ft_launcher restarts the worker group in a new
-    rendezvous round, Megatron's groups are built again, iteration 2's checkpoint is loaded,
-    3 and 4 are skipped, 5 and 6 train at half the learning rate, and the launcher exits 0."""
+    makes every rank exit 84 at iteration 5; ft_launcher restarts the worker group in a new
+    rendezvous round, Megatron's groups are built again, iteration 2's checkpoint (certified by
+    the clean check of 3) is loaded, 3 trains, 4 and 5 are skipped, 6 trains, at half the learning
+    rate, and the launcher exits 0."""
     save = tmp_path / "ckpt"
-    env = {**guard_env(tmp_path, inject=[f"nan:step=3,count=2,param={FC1}"]), "PYTHONPATH": NVRX_PATH}
+    env = {**guard_env(tmp_path, inject=[f"nan:step=4,count=2,param={FC1}"]), "PYTHONPATH": NVRX_PATH}
     command = [sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher", "--standalone",
                "--nproc-per-node", "2", "--max-restarts", "2",
                "--no-python", "env", "-u", "PYTHONPATH", sys.executable, "-m", "megatron_patches.testing.pretrain_cpu",
@@ -45,8 +46,8 @@ def test_ft_launcher_restarts_the_job_after_a_rollback_and_it_resumes_from_the_h
     assert proc.returncode == 0, output[-6000:]
     assert "failed (exitcode: 84)" in output and "will restart worker group" in output
     first, second = output.split("will restart worker group", 1)
-    assert [(i["step"], i["severity"]) for i in incidents(tmp_path)] == [(3, "warning"), (4, "error")]
-    assert sorted(iterations(second)) == [5, 6]
+    assert [(i["step"], i["severity"]) for i in incidents(tmp_path)] == [(4, "warning"), (5, "error")]
+    assert sorted(iterations(second)) == [3, 6]
     assert all("learning rate: 5.000000E-04" in line for line in iterations(second).values())
     ledger = Ledger.load(str(save))
     assert ledger.rollbacks == 1 and ledger.events[1]["resumed_from"] == 2

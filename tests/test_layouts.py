@@ -113,21 +113,22 @@ ROLLBACK_LAYOUTS = sorted(LAYOUTS)
 
 
 def _rollback(loop_kind, request, tmp_path, monkeypatch, name: str, check: str) -> None:
-    """Rank 1's own gradient NaN at iterations 3 and 4: a skip, then a rollback (exit 84, recovery
-    mode ``restart``); the launcher's second attempt resumes from the healthy checkpoint of
-    iteration 2, skips 3-4 through Megatron's dummy_train_step and trains 5-6."""
+    """Rank 1's own gradient NaN at iterations 4 and 5: a skip, then a rollback (exit 84, recovery
+    mode ``restart``); the launcher's second attempt resumes from the checkpoint of iteration 2
+    (certified by the clean check of 3), trains 3, skips 4-5 through Megatron's dummy_train_step
+    and trains 6."""
     layout = LAYOUTS[name]
     loop = _loop(loop_kind, request, tmp_path, layout)
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # guard_env copies the environment
     param = f"decoder.layers.{layout.layer}.mlp.linear_fc1.weight"
-    first, second = rollback_run(loop, tmp_path, f"nan:step=3,count=2,rank=1,phase=local,param={param}",
+    first, second = rollback_run(loop, tmp_path, f"nan:step=4,count=2,rank=1,phase=local,param={param}",
                                  *layout.flags, *CHECKS[check], config={"recovery": {"mode": "restart"}})
     found = incidents(tmp_path)
-    assert [(i["step"], i["severity"], i["action"]) for i in found] == [(3, "warning", "skip_step"),
-                                                                        (4, "error", "rollback")], found
+    assert [(i["step"], i["severity"], i["action"]) for i in found] == [(4, "warning", "skip_step"),
+                                                                        (5, "error", "rollback")], found
     assert all(i["origin_ranks"] == [1] for i in found)
     assert re.search(r"successfully loaded checkpoint from .* at iteration\s+2\b", second), second[-4000:]
-    assert sorted(iterations(second)) == [5, 6]
+    assert sorted(iterations(second)) == [3, 6]
 
 
 def test_an_interleaved_pipeline_resumes_past_the_iterations_a_rollback_skips(loop_kind, request, tmp_path,

@@ -386,38 +386,39 @@ def test_persistent_fault_exits_84_and_the_launcher_resumes_from_the_healthy_che
     --overlap-grad-reduce in the first attempt; after the rollback the restarted job's args are
     switched off before its model is built, and the built model shows it: no dropout module or
     layer with p > 0, DDP without overlap. The report says both beside the incident. With
-    --non-persistent-save-interval 1 a non-persistent iteration 3 (the skipped NaN step) is left,
-    which Megatron would load in preference to --ckpt-step: the restart loads iteration 2."""
+    --non-persistent-save-interval 1 a non-persistent iteration 3 is left, newer than the target,
+    which Megatron would load in preference to --ckpt-step: the restart loads iteration 2, the
+    newest certified checkpoint (the clean check of 3 certified it; 4 holds an incident)."""
     loop = make_loop(loop_kind, request, tmp_path, only="pretrain")  # hooks from the runtime wrappers
     save = tmp_path / "ckpt"
-    first, second = rollback_run(loop, tmp_path, f"nan:step=3,count=2,param={FC1}", "--overlap-grad-reduce",
+    first, second = rollback_run(loop, tmp_path, f"nan:step=4,count=2,param={FC1}", "--overlap-grad-reduce",
                                  "--non-persistent-save-interval", "1", "--non-persistent-ckpt-type", "global",
                                  config={"recovery": {"disable_features": ["dropout", "overlap_grad_reduce"]}})
-    # Iteration 3 skipped (warning), iteration 4 again: an error, so every rank stops with 84. The
+    # Iteration 4 skipped (warning), iteration 5 again: an error, so every rank stops with 84. The
     # default in-process rollback cannot switch the overlap off in the live model: it says so first.
-    assert ("rollback at iteration 4 made by a restart, not in process: recovery switches off "
+    assert ("rollback at iteration 5 made by a restart, not in process: recovery switches off "
             "overlap_grad_reduce, which needs the model built again") in first
     assert first.count("stopping with exit code 84") == 2
     assert re.search(r"exitcode\s*: 84", first)  # torchrun itself exits 1 and names the 84
-    assert "ledger: rollback 1 requested at iteration 4" in first
-    assert [i["step"] for i in incidents(tmp_path)] == [3, 4]
+    assert "ledger: rollback 1 requested at iteration 5" in first
+    assert [i["step"] for i in incidents(tmp_path)] == [4, 5]
     assert incidents(tmp_path)[1]["severity"] == "error" and incidents(tmp_path)[1]["action"] == "rollback"
 
-    # The restart loads iteration 2 (the newest healthy one), skips 3 and 4, trains 5 and 6 at half the lr.
+    # The restart loads iteration 2 (the newest certified one), trains 3, skips 4 and 5, trains 6, at half the lr.
     assert (save / "non_persistent" / "iter_0000003").is_dir() or "non_persistent/iter_0000003" in first
     assert "non-persistent (global) checkpoints are not loaded on this restart" in second
     assert re.search(r"successfully loaded checkpoint from .* at iteration\s+2\b", second), second[-4000:]
     assert "resumed from healthy checkpoint iteration 2" in second
     resumed = iterations(second)
-    assert sorted(resumed) == [5, 6]
+    assert sorted(resumed) == [3, 6]
     assert all("learning rate: 5.000000E-04" in line and "lm loss" in line for line in resumed.values())
     assert "learning rate: 1.000000E-03" in iterations(first)[2]
 
     ledger = Ledger.load(str(save))
     assert ledger.rollbacks == 1 and ledger.lr_scale == 0.5 and ledger.rollback_requested is None
-    assert ledger.events[0]["skip_iterations"] == [3, 4] and ledger.events[1]["resumed_from"] == 2
+    assert ledger.events[0]["skip_iterations"] == [4, 5] and ledger.events[1]["resumed_from"] == 2
     marks = {step: ok for step, _, ok in checkpoint.list_checkpoints(str(save))}
-    assert marks == {2: True, 6: True}  # the first run stopped before saving at 4
+    assert marks[2] and not marks[4]  # 4 was saved after the incident of 4
 
     # The report finds the outcome through the ledger the rollback's record names.
     assert incidents(tmp_path)[1]["ledger"] == str(save / LEDGER_FILE)
@@ -425,10 +426,10 @@ def test_persistent_fault_exits_84_and_the_launcher_resumes_from_the_healthy_che
                             capture_output=True, text=True)
     rollback = json.loads(report.stdout)["incidents"][1]
     assert {k: rollback[k] for k in ("rolled_back_to", "lr_scale", "iterations_skipped", "restart", "restarts_used")} \
-        == {"rolled_back_to": 2, "lr_scale": 0.5, "iterations_skipped": [3, 4], "restart": 1, "restarts_used": 1}
+        == {"rolled_back_to": 2, "lr_scale": 0.5, "iterations_skipped": [4, 5], "restart": 1, "restarts_used": 1}
     text = report_text(tmp_path)
     assert ("rolled back to the healthy checkpoint of step 2, learning rate x0.5; resumed in safe mode without "
-            "dropout, overlap_grad_reduce; iteration(s) 3, 4 skipped on resuming; restart 1 (1 rollback(s) used in "
+            "dropout, overlap_grad_reduce; iteration(s) 4, 5 skipped on resuming; restart 1 (1 rollback(s) used in "
             "this job)") in text, text
 
     # Safe mode: nothing in the first attempt, the features off in the second one's args and model.
@@ -618,25 +619,25 @@ def test_interleaved_overlapped_reduction_without_megatrons_check_names_one_orig
 
 @pytest.mark.multiproc
 def test_stock_flags_persistent_local_nan_takes_the_guards_rollback_path(loop_kind, request, tmp_path):
-    """Stock flags, rank 1's own gradient NaN at iterations 3 and 4: the guard, not Megatron's rerun
+    """Stock flags, rank 1's own gradient NaN at iterations 4 and 5: the guard, not Megatron's rerun
     machine, handles both (skip, then rollback with exit 84), and the launcher resumes from the
-    healthy checkpoint to the last iteration."""
+    certified checkpoint to the last iteration."""
     loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
-    first, second = rollback_run(loop, tmp_path, f"nan:step=3,count=2,rank=1,phase=local,param={FC1}")
+    first, second = rollback_run(loop, tmp_path, f"nan:step=4,count=2,rank=1,phase=local,param={FC1}")
     output = first + second
     # Megatron reruns each step in place (transient: the drill fires once a step) and carries on.
     assert "exitcode  : 17" not in output and "exitcode  : 16" not in output
 
     assert first.count("stopping with exit code 84") == 2
     found = incidents(tmp_path)
-    assert [i["step"] for i in found] == [3, 4]
+    assert [i["step"] for i in found] == [4, 5]
     assert [i["severity"] for i in found] == ["warning", "error"] and found[1]["action"] == "rollback"
     assert all(i["origin_ranks"] == [1] and i["pre_reduction"][0]["name"] == FC1 for i in found)
     assert [i["megatron_rerun"]["verdict"] for i in found] == ["transient", "transient"]
     assert re.search(r"successfully loaded checkpoint from .* at iteration\s+2\b", second), second[-4000:]
-    assert sorted(iterations(second)) == [5, 6]
+    assert sorted(iterations(second)) == [3, 6]
     text = report_text(tmp_path)
-    assert ("rolled back to the healthy checkpoint of step 2, learning rate x0.5; iteration(s) 3, 4 skipped on "
+    assert ("rolled back to the healthy checkpoint of step 2, learning rate x0.5; iteration(s) 4, 5 skipped on "
             "resuming; restart 1 (1 rollback(s) used in this job)") in text, text  # no safe mode configured
 
 
@@ -874,7 +875,38 @@ def test_a_marker_that_cannot_be_written_never_ends_the_job(loop_kind, request, 
     assert proc.returncode == 0, output[-4000:]
     assert "checkpoint iteration 2 could not be marked" in output and "guard state" in output
     assert sorted(iterations(output)) == [1, 2, 3, 4]
-    assert {step: ok for step, _, ok in checkpoint.list_checkpoints(str(save))} == {4: True}
+    marker = json.loads((save / "iter_0000004" / checkpoint.MARKER).read_text())
+    # Healthy, and no rollback target yet: the job ended before a checked step after it could certify it.
+    assert (marker["healthy"], marker["certified_at"]) == (True, None)
+    assert {step: ok for step, _, ok in checkpoint.list_checkpoints(str(save))} == {4: False}
+
+
+def test_a_checkpoint_is_a_target_once_the_checked_steps_after_it_came_out_clean(loop_kind, request, tmp_path):
+    """recovery.certify_steps (default 1), issue 38 item 3: iteration 2's checkpoint is certified by
+    the clean check of 3; 4's is not, iteration 5 was flagged first; 6 holds that incident; 8, the
+    job's last, waits, and a resumed job certifies it with its first clean check (9)."""
+    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
+    save = tmp_path / "ckpt"
+    env = guard_env(tmp_path, inject=[f"nan:step=5,param={FC1}"])
+    proc = loop.run(env, "--save", str(save), "--save-interval", "2", "--train-iters", "8", *loop.checkpoint_format())
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+    def markers() -> dict:
+        return {int(d.name[5:]): json.loads((d / checkpoint.MARKER).read_text()) for d in save.glob("iter_*")}
+
+    found = markers()
+    assert (found[2]["healthy"], found[2]["certified_at"]) == (True, 3)
+    assert (found[4]["healthy"], found[4]["certified_at"]) == (False, None)
+    assert found[4]["not_certified"] == "step 5 was flagged before the checkpoint was certified"
+    assert found[6]["healthy"] is False and "certified_at" not in found[6]  # the incident of 5 since 4
+    assert (found[8]["healthy"], found[8]["certified_at"]) == (True, None)
+    assert megatron_lm.newest_healthy_iteration(str(save)) == 2
+
+    resumed = loop.run(env, "--save", str(save), "--load", str(save), "--save-interval", "100", "--train-iters", "10",
+                       "--override-opt_param-scheduler", *loop.checkpoint_format())
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    assert markers()[8]["certified_at"] == 9
+    assert megatron_lm.newest_healthy_iteration(str(save)) == 8  # the final save of 10 waits in turn
 
 
 # --- a NaN in the loss with stock flags: Megatron's loss check and rerun (issue 12, items 1 and 3) ------

@@ -64,7 +64,7 @@ def test_rollback_through_a_loop_that_ignores_iterations_to_skip_standin(tmp_pat
     save = tmp_path / "ckpt"
     config = tmp_path / "guard.yaml"
     config.write_text(json.dumps({"report_dir": str(tmp_path / "reports"),
-                                  "inject": [f"nan:step=3,count=2,param={FC1}"]}))
+                                  "inject": [f"nan:step=4,count=2,param={FC1}"]}))
     loop = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(STANDIN_LOOP),
             *TINY_GPT_ARGS, "--train-iters", "6", "--save", str(save), "--load", str(save), "--save-interval", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MEGATRON_PATCHES_CONFIG": str(config)}
@@ -77,19 +77,21 @@ def test_rollback_through_a_loop_that_ignores_iterations_to_skip_standin(tmp_pat
     assert "rebound mindspeed_llm.training.training.train_step too" in first
     assert "rebound mindspeed_llm.training.training.save_checkpoint too" in first
     incidents = [json.loads(line) for line in (tmp_path / "reports" / "incidents.jsonl").read_text().splitlines()]
-    assert [(i["step"], i["action"]) for i in incidents] == [(3, "skip_step"), (4, "rollback")]
-    assert incidents[0]["batch"]["iteration"] == 3 and incidents[0]["first"]["name"] == FC1
+    assert [(i["step"], i["action"]) for i in incidents] == [(4, "skip_step"), (5, "rollback")]
+    assert incidents[0]["batch"]["iteration"] == 4 and incidents[0]["first"]["name"] == FC1
 
-    # The restart loads iteration 2; the loop calls train_step for 3 and 4, which the guard skips as
-    # Megatron-LM's loop would (their batches drained); 5 and 6 train at half the learning rate.
+    # The restart loads iteration 2 (certified by the clean check of 3); 3 trains; the loop calls
+    # train_step for 4 and 5, which the guard skips as Megatron-LM's loop would (their batches
+    # drained); 6 trains; all at half the learning rate.
     logged = {int(n): (int(s), float(lr)) for n, s, lr in LINE.findall(second)}
-    assert logged == {3: (1, 5e-4), 4: (1, 5e-4), 5: (0, 5e-4), 6: (0, 5e-4)}, second[-4000:]
+    assert logged == {3: (0, 5e-4), 4: (1, 5e-4), 5: (1, 5e-4), 6: (0, 5e-4)}, second[-4000:]
     assert second.count("skipped (iterations_to_skip, from the rollback)") == 2
-    assert [i["step"] for i in incidents] == [3, 4]  # nothing new: the drill's steps were never run again
+    assert [i["step"] for i in incidents] == [4, 5]  # nothing new: the drill's steps were never run again
     ledger = Ledger.load(str(save))
     assert ledger.rollbacks == 1 and ledger.rollback_requested is None and ledger.events[1]["resumed_from"] == 2
-    # Its saves (through save_checkpoint_and_time and the final save_checkpoint) are marked.
-    assert {step: ok for step, _, ok in checkpoint.list_checkpoints(str(save))} == {2: True, 4: True, 6: True}
+    # Its saves (through save_checkpoint_and_time and the final save_checkpoint) are marked and
+    # certified by the checks after them; 6, the job's last, waits for a later job's.
+    assert {step: ok for step, _, ok in checkpoint.list_checkpoints(str(save))} == {2: True, 4: True, 6: False}
 
 
 # --- MindSpeed-LLM's own source (MINDSPEED_LLM_DIR) -----------------------------------------------------

@@ -305,19 +305,20 @@ def test_expert_data_parallel_replicas_name_the_rank_whose_expert_gradient_broke
 @needs_packaged_loop
 @pytest.mark.multiproc
 def test_a_persistent_expert_fault_rolls_back_and_the_moe_job_resumes_from_the_healthy_checkpoint(tmp_path):
-    """The rollback path on a MoE model: exit 84 at iteration 4, the project's launcher restarts,
-    megatron-core's torch_dist checkpoint of iteration 2 (expert shards on their EP ranks) is
-    loaded, iterations 3 and 4 are skipped, 5 and 6 train at half the learning rate."""
-    first, second = rollback_run(Loop(None), tmp_path, f"nan:step=3,count=2,rank=1,phase=local,param={EXPERT_FC1.format(k=1)}",
+    """The rollback path on a MoE model: exit 84 at iteration 5, the project's launcher restarts,
+    megatron-core's torch_dist checkpoint of iteration 2 (expert shards on their EP ranks; certified
+    by the clean check of 3) is loaded, 3 trains again, 4 and 5 are skipped, 6 trains, at half the
+    learning rate."""
+    first, second = rollback_run(Loop(None), tmp_path, f"nan:step=4,count=2,rank=1,phase=local,param={EXPERT_FC1.format(k=1)}",
                                  *MOE, "--moe-token-dispatcher-type", "alltoall")
-    assert [(i["step"], i["severity"]) for i in incidents(tmp_path)] == [(3, "warning"), (4, "error")]
+    assert [(i["step"], i["severity"]) for i in incidents(tmp_path)] == [(4, "warning"), (5, "error")]
     assert all(i["first"]["expert"] == {"global": 3, "local": 1} for i in incidents(tmp_path))
-    assert "ledger: rollback 1 requested at iteration 4" in first
+    assert "ledger: rollback 1 requested at iteration 5" in first
     resumed = iterations(second)
-    assert sorted(resumed) == [5, 6]
+    assert sorted(resumed) == [3, 6]
     assert all("learning rate: 5.000000E-04" in line for line in resumed.values())
     ledger = Ledger.load(str(tmp_path / "ckpt"))
-    assert ledger.events[0]["skip_iterations"] == [3, 4] and ledger.events[1]["resumed_from"] == 2
+    assert ledger.events[0]["skip_iterations"] == [4, 5] and ledger.events[1]["resumed_from"] == 2
 
 
 @needs_packaged_loop
@@ -397,16 +398,17 @@ def test_a_guarded_expert_tensor_parallel_run_equals_an_unguarded_one_bit_for_bi
 @pytest.mark.slow
 def test_a_persistent_fault_in_an_expert_tensor_parallel_shard_rolls_back_and_the_job_completes(tmp_path,
                                                                                               monkeypatch):
-    """The ETP 2 layout above, rank 3's expert shard NaN at iterations 3 and 4, recovery by a
-    restart: exit 84 at 4, iteration 2's torch_dist checkpoint (each expert's slices on their
-    expert-TP ranks) loaded, 3 and 4 skipped through Megatron's dummy_train_step, 5 and 6 trained."""
+    """The ETP 2 layout above, rank 3's expert shard NaN at iterations 4 and 5, recovery by a
+    restart: exit 84 at 5, iteration 2's torch_dist checkpoint (each expert's slices on their
+    expert-TP ranks; certified by the clean check of 3) loaded, 3 trained, 4 and 5 skipped through
+    Megatron's dummy_train_step, 6 trained."""
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # guard_env copies the environment
-    drill = ETP_SHARD.replace("step=3,", "step=3,count=2,")
+    drill = ETP_SHARD.replace("step=3,", "step=4,count=2,")
     first, second = rollback_run(Loop(None, nproc=4), tmp_path, drill, *MOE, *ETP,
                                  config={"recovery": {"mode": "restart"}})
     found = incidents(tmp_path)
-    assert [(i["step"], i["severity"], i["action"]) for i in found] == [(3, "warning", "skip_step"),
-                                                                        (4, "error", "rollback")]
+    assert [(i["step"], i["severity"], i["action"]) for i in found] == [(4, "warning", "skip_step"),
+                                                                        (5, "error", "rollback")]
     assert all(i["first"]["expert"] == {"global": 2, "local": 0} and i["first"]["ranks"]["etp"] == 1 for i in found)
     assert re.search(r"successfully loaded checkpoint from .* at iteration\s+2\b", second), second[-4000:]
-    assert sorted(iterations(second)) == [5, 6]
+    assert sorted(iterations(second)) == [3, 6]

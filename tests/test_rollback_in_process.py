@@ -146,7 +146,7 @@ def test_a_replica_corrupted_before_a_snapshot_rolls_back_to_a_target_before_the
     final = {rank: lines[16] for rank, lines in digests(run).items()}
     assert final[0][0] == final[1][0]  # the replicas' weights agree again
 
-    monkeypatch.setattr(megatron_lm_inprocess.InProcessRollback, "_coverage_steps", lambda self: 0)
+    monkeypatch.setattr(megatron_lm_inprocess, "diverged_since", lambda config, found_at: found_at)
     undated = train(tmp_path, "undated", drill=FLIP, iters=16, config=DIVERGENCE)
     target = undated["incidents"][0]["rolled_back_to"]
     assert target == CORRUPTED, undated["incidents"][0]  # the snapshot holding the corrupted copy

@@ -54,7 +54,7 @@ from ..callbacks import Callback
 from ..errors import UserError, exit_refused
 from ..protocols import Guard
 from . import mindspeed_llm, wrappers
-from .megatron_lm_checkpoints import STATE_DIR, TRACKER_FILE, CheckpointMarks, newest_healthy_iteration, read_tracker, saved_lr_scale, state_file, warn0, write_marker
+from .megatron_lm_checkpoints import DIVERGED, STATE_DIR, TRACKER_FILE, CheckpointMarks, diverged_since, newest_healthy_iteration, read_tracker, saved_lr_scale, state_file, warn0, write_marker
 from .megatron_lm_inprocess import InProcessRollback
 from .megatron_lm_replay import ForwardReplay, replays_here
 from .megatron_lm_rollback import Rollback, built_model_facts, core_version, skip_iterations, switch_off_for_retry, to_iterations_to_skip
@@ -204,6 +204,15 @@ class MegatronLMSession(Callback):
         """Before any exit of the guard (and before the ledger is written): pending async saves
         finished and marked."""
         self.marks.finalize(decision)
+
+    def after_check(self, step: int, flagged: bool) -> None:
+        """Rank 0: the saves waiting for certification hear each checked step's verdict."""
+        self.marks.after_check(step, flagged)
+
+    def on_decision(self, decision: Any, incident: Any) -> None:
+        """Rank 0: a diverged replica disqualifies every checkpoint it may be in."""
+        if incident is not None and DIVERGED in incident.kinds:
+            self.marks.disqualify_since(diverged_since(self.monitor.config, int(decision.step)), int(decision.step))
 
 
 def _advise(args: Any) -> None:

@@ -8,7 +8,11 @@ checkpoint:
   save, every parameter is finite and Megatron's rerun state machine did not make the save; with
   the ledger's learning-rate scale the param groups were saved with. An async save is marked only
   once Megatron finalized it: at the next ``train_step``, before any exit of the guard, or at
-  process exit.
+  process exit. A healthy save is written ``certified_at: null`` and becomes a rollback target
+  only once ``recovery.certify_steps`` further checked steps came out clean (the replicas'
+  agreement is part of each check): the marker is rewritten with ``certified_at`` the step that
+  certified it, or unhealthy with ``not_certified`` the step flagged first, or the step a diverged
+  replica may date from (:meth:`CheckpointMarks.disqualify_since`).
 - ``iter_N/megatron_patches_state/rank_NNNNN.json`` (every rank): that rank's detector baselines
   and counters, restored after the load so a restart judges its first iteration like any other.
 
@@ -26,6 +30,7 @@ import os
 from typing import Any, Optional
 
 from .. import checkpoint, collectives
+from ..detectors.base import Rotation
 from ..files import write_json_atomic
 from ..protocols import Guard
 
@@ -37,6 +42,18 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 STATE_DIR = "megatron_patches_state"
 """Per-rank guard state saved inside each Megatron-LM ``iter_N`` directory: each rank's history
 baselines describe its own tensors, so every rank keeps its own file."""
+
+
+DIVERGED = "rank_mismatch"
+"""The incident kind of a data-parallel replica that differs from the others."""
+
+
+def diverged_since(config: Any, found_at: int) -> int:
+    """The earliest step a replica found diverged at ``found_at`` may date from: it was last seen
+    agreeing at most as many steps ago as the consistency detector takes to read every tensor once."""
+    consistency = config.detectors.consistency
+    rotation = Rotation(consistency.interval, consistency.sample_fraction)
+    return found_at - rotation.period * consistency.interval * config.check_interval
 
 
 def warn0(message: str, *args: Any) -> None:
@@ -102,8 +119,10 @@ class CheckpointMarks:
     def __init__(self, monitor: Guard):
         self.monitor = monitor
         self._incidents_at_save = 0
-        self._pending: list = []
-        """(directory, iteration, healthy, marker fields) of saves not marked yet."""
+        self._pending: list[dict] = []
+        """Rank 0: saves not marked yet ({directory, iteration, healthy, fields})."""
+        self._awaiting: list[dict] = []
+        """Rank 0: healthy saves not certified yet (the same entries, with ``clean`` and ``marked``)."""
 
     def after_save(self, iteration: int, model: Any, non_persistent: bool, lr_scale: float) -> None:
         """Megatron's ``save_checkpoint`` returned: this rank's state file, and (rank 0) the
@@ -121,8 +140,13 @@ class CheckpointMarks:
         self._save_state(directory)
         if collectives.rank() != 0 or not os.path.isdir(directory):
             return
-        fields = {"incidents": incidents, "lr_scale": lr_scale, **({"rerun": rerun} if rerun else {})}
-        self._pending.append((directory, int(iteration), healthy and rerun is None, fields))
+        healthy = healthy and rerun is None
+        entry = {"directory": directory, "iteration": int(iteration), "healthy": healthy, "clean": 0, "marked": False,
+                 "fields": {"incidents": incidents, "lr_scale": lr_scale, **({"rerun": rerun} if rerun else {}),
+                            **({"certified_at": None} if healthy else {})}}
+        self._pending.append(entry)
+        if healthy:
+            self._awaiting.append(entry)
         if getattr(args, "async_save", False) and not _async_saves_finalized():
             log.info("checkpoint iteration %d: marked once its async save is finalized", iteration)
             if len(self._pending) == 1:
@@ -133,17 +157,59 @@ class CheckpointMarks:
         """The markers of saves now complete (all, unless an async save is still pending)."""
         if not self._pending or not _async_saves_finalized():
             return
-        for directory, iteration, healthy, fields in self._pending:
-            if os.path.isdir(directory):
-                try:
-                    write_marker(directory, iteration, healthy, **fields)
-                except OSError as exc:  # the guard's own file must not end the job (rank 0 only)
-                    log.warning("checkpoint iteration %d could not be marked (%s): without a marker it "
-                                "is never a rollback target; training goes on", iteration, exc)
-                    continue
-                log.info("checkpoint iteration %d marked %s%s", iteration, "healthy" if healthy else "NOT healthy",
-                         f" ({fields['rerun']})" if fields.get("rerun") else "")
+        for entry in self._pending:
+            if self._write(entry):
+                entry["marked"] = True
+                log.info("checkpoint iteration %d marked %s%s", entry["iteration"],
+                         "healthy" if entry["healthy"] else "NOT healthy",
+                         f" ({entry['fields']['rerun']})" if entry["fields"].get("rerun") else "")
         self._pending = []
+
+    def after_check(self, step: int, flagged: bool) -> None:
+        """Rank 0, after each checked step: certify the healthy saves that have had
+        ``recovery.certify_steps`` clean checked steps since, or disqualify them at a flagged one."""
+        needed = self.monitor.config.recovery.certify_steps
+        for entry in [e for e in self._awaiting if e["iteration"] < step]:
+            if flagged:
+                self._settle(entry, f"step {step} was flagged before the checkpoint was certified")
+                continue
+            entry["clean"] += 1
+            if entry["clean"] >= needed:
+                entry["fields"]["certified_at"] = step
+                self._settle(entry, None)
+
+    def disqualify_since(self, since: int, found_at: int) -> None:
+        """Rank 0: a replica found diverged at ``found_at`` may date from ``since``: no checkpoint
+        saved at or after it is a target (markers already certified are rewritten too)."""
+        from megatron.training import get_args
+
+        root = get_args().save
+        for step, directory, healthy in checkpoint.list_checkpoints(root) if root else []:
+            if healthy and step >= since:
+                entry = next((e for e in self._awaiting if e["iteration"] == step), None) or {
+                    "directory": directory, "iteration": step, "marked": True, "fields": _marker_fields(directory)}
+                self._settle(entry, f"a replica found diverged at step {found_at} may date from step {since}")
+
+    def _settle(self, entry: dict, not_certified: Optional[str]) -> None:
+        if entry in self._awaiting:
+            self._awaiting.remove(entry)
+        if not_certified is not None:
+            entry["healthy"] = False
+            entry["fields"] = {**entry["fields"], "certified_at": None, "not_certified": not_certified}
+        if entry["marked"] and self._write(entry):
+            log.info("checkpoint iteration %d %s", entry["iteration"], f"not certified: {not_certified}"
+                     if not_certified else f"certified at step {entry['fields']['certified_at']}")
+
+    def _write(self, entry: dict) -> bool:
+        if not os.path.isdir(entry["directory"]):
+            return False
+        try:
+            write_marker(entry["directory"], entry["iteration"], entry["healthy"], **entry["fields"])
+        except OSError as exc:  # the guard's own file must not end the job (rank 0 only)
+            log.warning("checkpoint iteration %d could not be marked (%s): without a marker it is never a "
+                        "rollback target; training goes on", entry["iteration"], exc)
+            return False
+        return True
 
     def finalize(self, decision: Any = None) -> None:
         """Before any exit of the guard: finish pending async saves (every rank takes part, as
@@ -163,6 +229,12 @@ class CheckpointMarks:
         and incidents count towards the next marker from here."""
         self._load_state(root, iteration)
         self._incidents_at_save = self.monitor.counters["incidents"]
+        if root is not None and iteration > 0 and collectives.rank() == 0:  # a job's last save awaits its next steps
+            directory = checkpoint.checkpoint_dir(root, iteration)
+            fields = _marker_fields(directory)
+            if "certified_at" in fields and fields["certified_at"] is None and "not_certified" not in fields:
+                self._awaiting.append({"directory": directory, "iteration": iteration, "healthy": True,
+                                       "clean": 0, "marked": True, "fields": fields})
 
     def _save_state(self, directory: str) -> None:
         """This rank's detector baselines and counters beside the checkpoint it belongs to."""
@@ -195,6 +267,16 @@ class CheckpointMarks:
         self.monitor.load_state_dict(state)
         warn0("guard state of iteration %d restored (detector baselines, counters) from %s",
               iteration, os.path.dirname(path))
+
+
+def _marker_fields(directory: str) -> dict:
+    """A marker's fields beyond step and healthy (empty where it cannot be read)."""
+    try:
+        with open(os.path.join(directory, checkpoint.MARKER), encoding="utf-8") as handle:
+            marker = json.load(handle)
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in marker.items() if k not in ("step", "healthy", "format")} if isinstance(marker, dict) else {}
 
 
 def _async_saves_finalized() -> bool:

@@ -36,18 +36,16 @@ import torch
 from .. import collectives, recovery, safe_mode, snapshots
 from ..callbacks import Callback
 from ..decisions import Action, Decision
-from ..detectors.base import Rotation
 from ..incidents import IN_MEMORY, Incident
 from ..ledger import Ledger
 from ..protocols import Guard
 from ..recovery import Episode
-from .megatron_lm_checkpoints import newest_healthy_iteration, warn0
+from .megatron_lm_checkpoints import DIVERGED, diverged_since, newest_healthy_iteration, warn0
 from .megatron_lm_rollback import Rollback
 from .megatron_lm_state import install_tapes, live_tensors, restore_values, small_values
 
 log = logging.getLogger("megatron_patches")
 
-DIVERGED = "rank_mismatch"
 """The consistency detector's kind: data-parallel replicas that should agree bit for bit don't."""
 
 IN_PLACE_FEATURES = ("dropout",)
@@ -122,15 +120,8 @@ class InProcessRollback(Callback):
         """Rank 0 dates a replica divergence (the episode's iterations and samples are collected by
         ``rollback`` and its executor, callbacks too)."""
         if incident is not None and DIVERGED in incident.kinds:  # when could it have begun?
-            since = int(decision.step) - self._coverage_steps()
+            since = diverged_since(self.monitor.config, int(decision.step))
             self._suspect_since = since if self._suspect_since is None else min(self._suspect_since, since)
-
-    def _coverage_steps(self) -> int:
-        """Steps the consistency detector takes to read every tensor once: a replica found to differ
-        now was last seen agreeing at most this long ago."""
-        cfg = self.monitor.config
-        consistency = cfg.detectors.consistency
-        return Rotation(consistency.interval, consistency.sample_fraction).period * consistency.interval * cfg.check_interval
 
     def wants_replay(self, decision: Decision) -> bool:
         """A rollback's record waits for its outcome (target, LR, iterations left out)."""
