@@ -33,7 +33,7 @@ import torch
 
 from . import collectives, naming
 from .collectives import BoundedGroup, PeerLost, gather_to_zero
-from .inject import _corrupt
+from . import faults
 from .protocols import Guard
 
 log = logging.getLogger("megatron_patches")
@@ -51,19 +51,18 @@ def _floating(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _replace_first(value: Any, kind: str, factor: float) -> tuple[Any, bool]:
+def _replace_first(value: Any, spec: Any) -> tuple[Any, bool]:
     """``value`` with its first floating tensor replaced by a corrupted copy (autograd intact)."""
     if isinstance(value, torch.Tensor):
         if not value.is_floating_point() or value.numel() == 0:
             return value, False
         copy = value.clone()
-        with torch.no_grad():
-            _corrupt(kind, copy, factor)
+        faults.corrupt(spec, copy)
         return copy, True
     if isinstance(value, (tuple, list)):
         items, done = list(value), False
         for i, item in enumerate(items):
-            items[i], done = _replace_first(item, kind, factor)
+            items[i], done = _replace_first(item, spec)
             if done:
                 break
         return (tuple(items) if isinstance(value, tuple) else items), done
@@ -96,10 +95,10 @@ def _drill_hook(monitor: Guard, index: int, spec: Any, name: str):
         if spec.phase == "backward":  # the gradient that will flow into this output
             target = next((t for t in _floating(output) if t.requires_grad), None)
             if target is not None:
-                target.register_hook(lambda grad: _replace_first(grad, spec.kind, spec.factor)[0])
+                target.register_hook(lambda grad: _replace_first(grad, spec)[0])
                 monitor.count("injected")
             return None
-        corrupted, done = _replace_first(output, spec.kind, spec.factor)
+        corrupted, done = _replace_first(output, spec)
         if done:
             monitor.count("injected")
         return corrupted if done else None

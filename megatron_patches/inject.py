@@ -9,7 +9,8 @@ reports an overflow), ``poison`` (``poison:sample=I``: sample I gives a non-fini
 every time it is fed; the training loop applies it, see :meth:`Injector.poisoned`), ``kill``
 (``kill:step=S,rank=R``: that rank's process dies by SIGKILL when the incident of step S is being
 decided, after its check and before the ranks agree: a card or host lost mid-incident; it needs
-a fault at step S to act on, e.g. ``nan:step=S``). Keys: ``step``
+a fault at step S to act on, e.g. ``nan:step=S``), ``sign`` (flip the sign), ``scale`` (multiply by
+``factor``, default 2), ``noise`` (Gaussian, ``factor`` of each value, default 0.01). Keys: ``step``
 (required, 1-based optimizer step), ``param`` (fnmatch pattern on the global parameter name;
 default: the model's first parameter in forward order), ``rank`` (global rank; default all),
 ``count`` (consecutive steps, default 1), ``phase`` (``grad``: the gradient the optimizer
@@ -20,10 +21,16 @@ so the loss and then every gradient go non-finite, see :mod:`megatron_patches.fo
 born in backward that reaches the gradients of everything before that module, and under expert
 parallelism the ranks that sent the module its tokens; ``param``: the weight this rank's optimizer
 steps, right before the step's update, so that one replica's copy silently differs from the
-others' from then on, as a card that corrupts memory would leave it),
+others' from then on, as a card that corrupts memory would leave it; ``state``: the Adam state of
+that weight in the rank's optimizer (its own shard under the distributed optimizer), right before
+the update),
 ``module`` (phases forward and backward only, required: fnmatch pattern on the global dotted
 module name, as ``named_modules()`` gives it without wrapper prefixes, e.g. ``decoder.layers.1.mlp``),
-``factor`` (spike and growth), ``bit`` (bitflip only). A forward drill models a module whose
+``factor`` (spike, growth, scale, noise), ``bit`` (bitflip: an index or ``exponent_high``,
+``mantissa_high``, ``mantissa_low``), ``bits`` (bitflip: N bits drawn per element), ``scope``
+(``element``, ``row``, ``1pct``, ``10pct``, ``all``), ``seed`` (draws elements, bits and noise),
+``slot`` (phase=state: ``exp_avg`` or ``exp_avg_sq``); :mod:`megatron_patches.faults` says what each
+does to a tensor. A forward drill models a module whose
 computation breaks on that step's input: it fires on every forward of its steps, a replay
 included, and not when the step is reached again after a rollback.
 
@@ -48,17 +55,17 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from . import collectives, naming
+from . import collectives, faults, naming
 from .errors import ConfigError, exit_refused
 
 log = logging.getLogger("megatron_patches")
 
-KINDS = ("nan", "inf", "spike", "bitflip", "saturate", "poison", "growth", "kill")
-PHASES = ("grad", "local", "param", "forward", "backward")
+KINDS = ("nan", "inf", "spike", "bitflip", "saturate", "poison", "growth", "kill") + faults.NEW_KINDS
+PHASES = ("grad", "local", "param", "forward", "backward", "state")
 MODULE_PHASES = ("forward", "backward")
 """Phases whose drills act on a module (``module=NAME``), not on a parameter's gradient."""
-_KEYS = ("step", "param", "rank", "count", "phase", "factor", "sample", "bit", "module")
-_FORWARD_KINDS = ("nan", "inf", "spike")
+_KEYS = ("step", "param", "rank", "count", "phase", "factor", "sample", "bit", "module") + faults.KEYS
+_FORWARD_KINDS = ("nan", "inf", "spike") + faults.NEW_KINDS + ("bitflip",)
 
 
 @dataclass(frozen=True)
@@ -71,9 +78,13 @@ class InjectionSpec:
     phase: str = "grad"
     factor: float = 1.0e4
     sample: Optional[int] = None
-    bit: Optional[int] = None
+    bit: "Optional[int | str]" = None
     module: Optional[str] = None
     text: str = ""
+    scope: Optional[str] = None
+    seed: int = 0
+    bits: Optional[int] = None
+    slot: str = "exp_avg"
 
     def covers(self, step: int) -> bool:
         """Whether this gradient drill is due at ``step`` (poison and kill act elsewhere)."""
@@ -130,43 +141,7 @@ def parse_spec(text: str) -> InjectionSpec:
         spec["module"] = values["module"]
     elif "module" in values:
         raise ConfigError(f"injection {text!r}: module applies to phases {' and '.join(MODULE_PHASES)} only")
-    if kind == "growth":
-        spec["factor"] = 1.5
-    if "bit" in values:
-        if kind != "bitflip":
-            raise ConfigError(f"injection {text!r}: bit applies to bitflip only")
-        spec["bit"] = _int("bit", values["bit"], text, 0)
-    if "factor" in values:
-        if kind not in ("spike", "growth"):
-            raise ConfigError(f"injection {text!r}: factor applies to spike and growth only")
-        try:
-            spec["factor"] = float(values["factor"])
-        except ValueError:
-            raise ConfigError(f"injection {text!r}: factor must be a number, got {values['factor']!r}") from None
-    return InjectionSpec(**spec)
-
-
-def _corrupt(kind: str, grad: torch.Tensor, factor: float, bit: Optional[int] = None) -> None:
-    flat = grad.view(-1)
-    if flat.numel() == 0:
-        return
-    if kind == "nan":
-        flat[0] = float("nan")
-    elif kind == "inf":
-        flat[0] = float("inf")
-    elif kind == "saturate":
-        flat[0] = torch.finfo(grad.dtype).max
-    elif kind in ("spike", "growth"):
-        grad.mul_(factor)
-    elif kind == "bitflip":
-        int_type = {2: torch.int16, 4: torch.int32, 8: torch.int64}[grad.element_size()]
-        bits = flat[:1].view(int_type)
-        width = grad.element_size() * 8
-        if bit is not None and bit >= width:
-            raise ConfigError(f"bitflip: bit must be < {width} for {grad.dtype}, got {bit}")
-        position = width - 2 if bit is None else bit  # default: the highest exponent bit
-        mask = (1 << position) - (1 << width if position == width - 1 else 0)  # the sign bit as a signed int
-        bits ^= torch.tensor(mask, dtype=int_type)
+    return InjectionSpec(**spec, **faults.read_keys(kind, values, text, spec.get("phase", "grad")))
 
 
 class Injector:
@@ -266,7 +241,7 @@ class Injector:
         forward order); without ``param`` a spec targets forward order 0. Poison and kill act on
         any rank. Gathered over the job, :func:`unmatched` names the ranks that hold each target."""
         stepped = list(stepped)
-        targets = {"grad": stepped, "param": stepped, "local": list(params)}
+        targets = {"grad": stepped, "param": stepped, "state": stepped, "local": list(params)}
         modules = list(modules)
         hits = []
         for spec in self.specs:
@@ -304,7 +279,7 @@ class Injector:
             self._fired.add((index, step))
             factor = spec.factor ** (step - spec.step + 1) if spec.kind == "growth" else spec.factor
             for name, _, grad in targets:
-                _corrupt(spec.kind, grad, factor, spec.bit)
+                faults.corrupt(spec, grad, factor)
                 self._note(step, {"drill": spec.text, "rank": rank, "param": name})
                 done.append(f"{spec.text} -> {name} on rank {rank}")
             if targets:  # a rehearsal says so where it acts (a warning: every rank's log shows it)
@@ -329,7 +304,8 @@ def _missed(spec: InjectionSpec, holders: list[int], params: list[str], modules:
     else the nearest names (from this rank's ``params`` or ``modules``)."""
     on = "" if spec.rank is None else f" on rank {spec.rank}"
     among = {"grad": f" among the gradients the optimizer steps{on}",
-             "param": f" among the weights the optimizer steps{on}"}.get(spec.phase, on)
+             "param": f" among the weights the optimizer steps{on}",
+             "state": f" among the weights whose state the optimizer holds{on}"}.get(spec.phase, on)
     if spec.phase in MODULE_PHASES:
         pattern, names, why = spec.module, modules, f"no module matches {spec.module!r}{on}"
     elif spec.param is None:

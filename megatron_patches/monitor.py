@@ -24,7 +24,7 @@ from typing import Any, NoReturn, Optional, TypeVar
 
 import torch
 
-from . import collectives, inject, run_state, slow_path
+from . import collectives, faults, inject, run_state, slow_path
 from .callbacks import Callback
 from .check import Verdict
 from .collectives import PeerLost
@@ -154,12 +154,14 @@ class GradMonitor:
         return self._check(optimizer, entries, step)
 
     def _drill_grads(self, optimizer: Any, entries: list, step: int) -> None:
-        """The phase=grad and phase=param drills of ``step``: on the gradients the optimizer steps,
-        and on its weights (``.data``: no autograd record of the change)."""
+        """The phase=grad, phase=param and phase=state drills of ``step``: on the gradients the
+        optimizer steps, on its weights (``.data``: no autograd record of the change) and on their
+        Adam state."""
         run = self.state
         grads = [(e.info.name, e.info.order, g) for e, g in run.seams.current_grads(optimizer, entries) if g is not None]
         weights = [(e.info.name, e.info.order, e.main.data) for e in entries]
         fired = run.drills.apply(step, "grad", self.rank, grads) + run.drills.apply(step, "param", self.rank, weights)
+        fired += run.drills.apply(step, "state", self.rank, faults.optimizer_state(optimizer, entries))
         run.counters["injected"] += len(fired)
 
     def before_direct_clip(self, optimizer: Any) -> None:

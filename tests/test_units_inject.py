@@ -69,7 +69,7 @@ REFUSED = [
     ("nan", "step=N is required"),
     ("nan:rank=1", "step=N is required"),
     ("nan:step", "expected key=value with key in step, param, rank, count, phase, factor, sample, bit, module, "
-                 "got 'step'"),
+                 "scope, seed, bits, slot, got 'step'"),
     ("nan:stp=1", "expected key=value with key in"),
     ("nan:step=x", "step must be an integer, got 'x'"),
     ("nan:step=0", "step must be >= 1, got 0"),
@@ -77,15 +77,24 @@ REFUSED = [
     ("nan:step=1,rank=one", "rank must be an integer, got 'one'"),
     ("nan:step=1,count=0", "count must be >= 1, got 0"),
     ("nan:step=1,sample=2", "sample applies to poison only"),
-    ("nan:step=1,phase=sideways", "phase must be one of grad, local, param, forward, backward, got 'sideways'"),
+    ("nan:step=1,phase=sideways", "phase must be one of grad, local, param, forward, backward, state, got 'sideways'"),
     ("nan:step=1,phase=backward", "phase=backward takes module=NAME"),
     ("nan:step=1,phase=forward", "phase=forward takes module=NAME"),
     ("nan:step=1,phase=forward,module=m,param=p", "phase=forward takes module=NAME"),
-    ("bitflip:step=1,phase=forward,module=m", "with kind nan, inf, spike"),
+    ("saturate:step=1,phase=forward,module=m", "with kind nan, inf, spike, sign, scale, noise, bitflip"),
     ("nan:step=1,module=decoder", "module applies to phases forward and backward only"),
     ("nan:step=1,bit=3", "bit applies to bitflip only"),
     ("bitflip:step=1,bit=-1", "bit must be >= 0, got -1"),
-    ("nan:step=1,factor=2", "factor applies to spike and growth only"),
+    ("nan:step=1,factor=2", "factor applies to spike, growth, scale, noise only"),
+    ("bitflip:step=1,bit=exponent", "bit must be an integer or one of exponent_high, mantissa_high, mantissa_low, "
+                                    "got 'exponent'"),
+    ("bitflip:step=1,bit=3,bits=2", "bit and bits exclude each other"),
+    ("bitflip:step=1,bits=0", "bits must be >= 1, got 0"),
+    ("sign:step=1,bits=2", "bits applies to bitflip only"),
+    ("scale:step=1,scope=half", "scope must be one of element, row, 1pct, 10pct, all, got 'half'"),
+    ("noise:step=1,seed=-3", "seed must be >= 0, got -3"),
+    ("nan:step=1,slot=exp_avg", "slot applies to phase=state only"),
+    ("nan:step=1,phase=state,slot=momentum", "slot must be one of exp_avg, exp_avg_sq, got 'momentum'"),
     ("spike:step=1,factor=big", "factor must be a number, got 'big'"),
     ("poison:step=3", "poison takes exactly sample=I (a dataset index)"),
     ("poison:sample=1,rank=0", "poison takes exactly sample=I"),
@@ -256,3 +265,99 @@ def test_a_bad_config_ends_the_import_with_exit_2_and_one_line(tmp_path, monkeyp
     with pytest.raises(SystemExit):
         runtime.install_from_environment()
     assert capsys.readouterr().err == ""
+
+
+# --- the fault menu (issue 40): what each kind and scope does to a tensor -------------------------
+
+def _changed_count(text, tensor):
+    import torch
+
+    from megatron_patches import faults
+
+    before = tensor.clone()
+    assert faults.corrupt(parse_spec(text), tensor)
+    as_int = {2: torch.int16, 4: torch.int32}[tensor.element_size()]
+    return int((before.view(as_int) != tensor.view(as_int)).sum()), before
+
+
+@pytest.mark.parametrize("scope, count", [("element", 1), ("row", 64), ("1pct", 81), ("10pct", 819), ("all", 8192)])
+def test_each_scope_changes_that_many_elements(scope, count):
+    import torch
+
+    weight = torch.randn(128, 64)
+    assert _changed_count(f"sign:step=1,scope={scope},seed=3", weight)[0] == count
+
+
+def test_a_row_is_one_row_of_a_matrix_and_a_run_of_64_in_a_flat_shard():
+    import torch
+
+    weight = torch.randn(128, 64)
+    _, before = _changed_count("nan:step=1,scope=row,seed=5", weight)
+    rows = torch.isnan(weight).all(dim=1)
+    assert int(rows.sum()) == 1 and int(torch.isnan(weight).sum()) == 64
+    shard = torch.randn(1000)
+    _changed_count("nan:step=1,scope=row,seed=5", shard)
+    where = torch.isnan(shard).nonzero().view(-1)
+    assert len(where) == 64 and int(where[-1] - where[0]) == 63 and int(where[0]) % 64 == 0
+
+
+def test_the_same_seed_draws_the_same_elements_and_another_seed_others():
+    import torch
+
+    a, b, c = torch.ones(1000), torch.ones(1000), torch.ones(1000)
+    for tensor, seed in ((a, 1), (b, 1), (c, 2)):
+        _changed_count(f"nan:step=1,scope=10pct,seed={seed}", tensor)
+    assert torch.equal(torch.isnan(a), torch.isnan(b)) and not torch.equal(torch.isnan(a), torch.isnan(c))
+
+
+def test_named_bits_move_a_value_as_their_names_say():
+    import torch
+
+    for name, expected in (("mantissa_low", 1.0 + 2.0 ** -23), ("mantissa_high", 1.5), ("exponent_high", float("inf"))):
+        value = torch.ones(1)
+        _changed_count(f"bitflip:step=1,bit={name}", value)
+        assert float(value[0]) == expected, (name, float(value[0]))
+    half = torch.ones(1, dtype=torch.bfloat16)
+    _changed_count("bitflip:step=1,bit=mantissa_high", half)
+    assert float(half[0]) == 1.5  # bf16's highest mantissa bit is bit 6
+
+
+def test_bits_n_flips_n_bits_of_every_element_in_scope():
+    import torch
+
+    values = torch.randn(256)
+    before = values.clone()
+    _changed_count("bitflip:step=1,bits=3,scope=all,seed=9", values)
+    flipped = (before.view(torch.int32) ^ values.view(torch.int32))
+    assert all(bin(int(x) & 0xFFFFFFFF).count("1") == 3 for x in flipped)
+
+
+def test_scale_noise_and_their_defaults():
+    import torch
+
+    values = torch.full((10000,), 2.0)
+    _changed_count("scale:step=1", values)
+    assert torch.equal(values, torch.full((10000,), 4.0))
+    _changed_count("scale:step=1,factor=1000,scope=element,seed=1", values)
+    assert int((values == 4000.0).sum()) == 1
+    noisy = torch.full((10000,), 2.0)
+    _changed_count("noise:step=1,seed=4", noisy)
+    assert 0.009 < float((noisy / 2.0 - 1.0).std()) < 0.011
+
+
+def test_a_state_drill_takes_its_slot_of_the_adam_state():
+    import types
+
+    import torch
+
+    from megatron_patches import faults
+
+    weight = torch.nn.Parameter(torch.ones(4, 4))
+    adam = torch.optim.Adam([weight])
+    entry = types.SimpleNamespace(main=weight, info=types.SimpleNamespace(name="w", order=0))
+    assert faults.optimizer_state(adam, [entry]) == []  # no state before the first update
+    weight.grad = torch.ones(4, 4)
+    adam.step()
+    [(name, order, state)] = faults.optimizer_state(types.SimpleNamespace(optimizer=adam), [entry])
+    assert faults.corrupt(parse_spec("nan:step=1,phase=state,slot=exp_avg_sq"), state)
+    assert torch.isnan(state["exp_avg_sq"]).sum() == 1 and not torch.isnan(state["exp_avg"]).any()
