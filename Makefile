@@ -20,7 +20,7 @@ NPROC ?= 4
 MEGATRON ?=
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast test-all layout-matrix demo bench bench-rollback gpu-check patch unpatch patch-status clean
+.PHONY: install test test-fast test-all layout-matrix demo bench bench-rollback campaign gpu-check patch unpatch patch-status clean
 
 # One stamp per megatron-core request: asking for another release installs it.
 STAMP := $(VENV)/.installed-$(or $(MEGATRON_CORE),newest)
@@ -76,6 +76,12 @@ bench: install
 # cost, through Megatron-LM's packaged loop (megatron-core 0.17+: PYTHON=python3.12 VENV=.venv312).
 bench-rollback: install
 	$(VPY) scripts/bench_rollback.py --out bench_rollback.json
+
+# The fault campaign (issue 40): every fault kind x scope x target of the drills' menu on one rank and
+# DP2, scored strictly; runs/campaign/campaign.json and the table (docs/reliability.md, "Fault campaign").
+# CAMPAIGN_ARGS=--quick: the CI test's cells; --from-json docs/campaign.json --write-docs: the docs table.
+campaign: install
+	$(VPY) scripts/fault_campaign.py --out runs/campaign $(CAMPAIGN_ARGS)
 
 # The device check (8 minutes at most): nccl, bf16, drills, guard on/off, the bench; results in
 # runs/gpu_check. GPU_CHECK_ARGS=--dry-run runs it on the CPU.

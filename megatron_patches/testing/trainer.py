@@ -213,7 +213,9 @@ class TinyTrainer:
         step = 1
         if a.resume:
             step = self._resume()
-        elif a.save_interval:
+        elif a.save_interval and not a.distributed_optimizer:
+            # The distributed optimizer's state_dict asserts one Adam step count, and torch Adam has
+            # none before its first update: with it the first checkpoint is the first interval's.
             self.save(0, healthy=self._params_finite())
         while step <= a.steps:
             t0 = time.perf_counter()

@@ -1,0 +1,231 @@
+"""The fault campaign's menu, schedule and strict scoring (issue 40), apart from running it
+(``scripts/fault_campaign.py``). A cell is one fault kind x scope x target x layout; its score
+comes from the incident records of the run that carried it.
+
+Strict scoring, per cell:
+- **detected**: an incident on the fault's step or the ``DETECT`` steps after it (a weight or an
+  optimizer state corrupted before the update shows in the next step's gradients);
+- **localized**: the first such incident reports exactly the expected rank set (the consistency
+  detector's suspects, else the origin ranks before the reduction, else the forward origin's
+  ranks, else the rank of the parameter named first) AND names the target: the parameter named
+  first is the corrupted one, or the forward origin is the module holding it (weight and state
+  targets) or the drilled module (forward target), or, for a forward target, the parameter named
+  first is in the drilled module's layer;
+- **false positives**: incidents on the control steps after the detection window;
+- **recovered**: the cell's last control step trained with a finite loss (the run went on);
+- **steps to detect**: the first incident's step minus the fault's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+PARAM = "decoder.layers.1.mlp.linear_fc1.weight"
+MODULE = "decoder.layers.1.mlp"
+LAYER = 1
+WARMUP = 24  # history's 20-step warm-up and a margin; a checkpoint at every GAP-th step
+GAP = 6  # a fault every GAP steps: its step, DETECT steps to be found, the rest clean controls
+DETECT = 2
+SEED = 1234
+
+KINDS = {  # label -> (drill kind, extra keys)
+    "nan": ("nan", ""),
+    "inf": ("inf", ""),
+    "bitflip:exponent_high": ("bitflip", "bit=exponent_high"),
+    "bitflip:mantissa_high": ("bitflip", "bit=mantissa_high"),
+    "bitflip:mantissa_low": ("bitflip", "bit=mantissa_low"),
+    "bitflip:bits=3": ("bitflip", "bits=3"),
+    "sign": ("sign", ""),
+    "scale:x2": ("scale", "factor=2"),
+    "scale:x1000": ("scale", "factor=1000"),
+    "noise:1%": ("noise", "factor=0.01"),
+}
+SCOPES = ("element", "row", "1pct", "10pct", "all")
+TARGETS = {  # label -> drill keys; {rank} is filled per layout
+    "local": f"phase=local,param={PARAM}",
+    "grad": f"phase=grad,param={PARAM}",
+    "param": f"phase=param,param={PARAM}",
+    "exp_avg": f"phase=state,slot=exp_avg,param={PARAM}",
+    "exp_avg_sq": f"phase=state,slot=exp_avg_sq,param={PARAM}",
+    "forward": f"phase=forward,module={MODULE}",
+}
+LASTING = ("param", "exp_avg", "exp_avg_sq")
+"""Targets whose fault stays (in the weights, the optimizer state) until a rollback removes it."""
+LAYOUTS = {  # label -> (ranks, harness flags, rank a drill on a pre-reduction/forward target binds to)
+    "1rank": (1, ("--precision", "bf16"), 0),
+    "dp2": (2, ("--precision", "bf16", "--distributed-optimizer"), 1),
+}
+SHARD_HOLDER = 0
+"""Under DP2 with the distributed optimizer rank 0's shard holds all of PARAM (tests/test_drill_holders.py):
+grad, weight and state drills are bound to it; local and forward drills to rank 1 (a replica's own card)."""
+QUICK_SCOPE = {"scale:x2": "all", "scale:x1000": "all", "noise:1%": "all"}
+"""Quick mode: one scope per kind, element unless named here."""
+
+_ALL = SCOPES
+_PARTIAL = ("element", "row", "1pct", "10pct")
+_ULP = ("changes each value by one unit in the last place (2^-23 of it in the fp32 gradients, weights and "
+        "states; 2^-8 in a bf16 output), no more than the rounding of the bf16 computation that produced "
+        "it: no statistic or bound can tell it from rounding noise")
+_SPREAD = ("multiplies the covered gradient values by at most 2 (x0.5 to x2): inside the natural spread "
+           "of gradient norms (clean runs reach 12x a tensor's baseline share and 8.8x the total, "
+           "docs/detectors.md), so a threshold that caught it would flag clean steps; no replica holds "
+           "the same reduced values to compare with (one rank; the distributed optimizer's shard)")
+_NOISE_GRAD = ("moves each value by about 1 % of itself; a minibatch gradient's elements vary far more "
+               "than that from batch to batch, and no replica holds the same reduced values to compare with")
+_ADAM_BOUND = ("Adam's update stays within about lr per element whatever the scale of its momentum: "
+               "the changed update is one a gradient history of that size would give")
+_DRAW_DROP = ("with seed 1234 the three bits drawn for the one element are 3 and 5 (low mantissa) and 28, an "
+              "exponent bit set in every value between 2^-31 and 2, so the element is divided by 2^32: it drops "
+              "to about zero.")
+REASONS = {  # (kind, target) -> (scopes, why a cell is undetectable by design)
+    **{("bitflip:mantissa_low", t): (_ALL, _ULP) for t in TARGETS},
+    ("noise:1%", "local"): (_ALL, _NOISE_GRAD),
+    ("noise:1%", "grad"): (_ALL, _NOISE_GRAD),
+    ("noise:1%", "param"): (_ALL, "moves each weight by about 1 % of itself (about 2e-4 here), less than one Adam "
+                                  "update moves it (lr 3e-3 per element): the same change an ordinary step makes"),
+    ("noise:1%", "exp_avg"): (_ALL, "changes the next update by about 1 % of itself, " + _ADAM_BOUND),
+    ("noise:1%", "exp_avg_sq"): (_ALL, "changes the next update by about 0.5 % of itself, " + _ADAM_BOUND),
+    ("noise:1%", "forward"): (_ALL, "1 % noise on an activation is below its variation between batches, and "
+                                    "nothing holds what an activation should be to compare with"),
+    ("scale:x2", "local"): (_ALL, _SPREAD),
+    ("scale:x2", "grad"): (_ALL, _SPREAD),
+    ("scale:x2", "forward"): (_ALL, "the next layer norm takes most of a x2 out; the gradients behind it move "
+                                    "by at most 2x, " + _SPREAD.split(": ", 1)[1]),
+    ("bitflip:mantissa_high", "local"): (_ALL, _SPREAD),
+    ("bitflip:mantissa_high", "grad"): (_ALL, _SPREAD),
+    ("scale:x2", "exp_avg"): (_ALL, "doubles the next update of the covered elements; " + _ADAM_BOUND),
+    ("bitflip:mantissa_high", "exp_avg"): (_ALL, "moves the next update by at most x1.5; " + _ADAM_BOUND),
+    ("scale:x2", "exp_avg_sq"): (_ALL, "shrinks the next update by 1.4x, a smaller step: " + _ADAM_BOUND),
+    ("bitflip:mantissa_high", "exp_avg_sq"): (_ALL, "moves the next update by at most 1.4x; " + _ADAM_BOUND),
+    ("scale:x1000", "exp_avg_sq"): (_ALL, "shrinks the next update by 32x: a smaller step is what a quiet gradient "
+                                          "history gives, and no magnitude check can call a small step wrong"),
+    ("bitflip:exponent_high", "exp_avg_sq"): (_ALL, "multiplies a second moment (about 1e-6 here, exponent high bit "
+                                                    "clear) by 2^128, which shrinks the next update of the element "
+                                                    "to nothing: a smaller step, as scale x1000 of exp_avg_sq"),
+    ("bitflip:mantissa_high", "forward"): (_ALL, "moves the covered activations by at most x1.5; the next layer norm "
+                                                 "takes most of it out and the gradients behind it move less than "
+                                                 "their natural spread"),
+    **{("bitflip:bits=3", t): (("element",), _DRAW_DROP + " " + tail) for t, tail in (
+        ("local", "A gradient element near zero is an ordinary value, and the tensor's norm barely moves."),
+        ("grad", "A gradient element near zero is an ordinary value, and the tensor's norm barely moves."),
+        ("exp_avg", "A momentum near zero gives a smaller step for that element: " + _ADAM_BOUND))},
+    ("bitflip:bits=3", "forward"): (("element",), "with seed 1234 the three bits drawn for the one bf16 element "
+                                                  "are 1, 3 and 5, all mantissa: the activation moves by at most a "
+                                                  "third, as mantissa_high does"),
+    ("sign", "forward"): (("element", "row"), "a negated activation (or one token's row) is a value the layer gives "
+                                              "other inputs; nothing holds what it should be"),
+    ("sign", "local"): (_PARTIAL, "keeps every magnitude the detectors read (norms are sign-blind); single "
+                                  "gradient elements change sign from batch to batch anyway, and no replica holds "
+                                  "the same values before the reduction"),
+    ("sign", "grad"): (_PARTIAL, "keeps every magnitude the detectors read (norms are sign-blind); single "
+                                 "gradient elements change sign from batch to batch anyway, and no replica holds "
+                                 "the same reduced values (one rank; the shard)"),
+    ("sign", "exp_avg"): (_PARTIAL, "reverses the next update of the covered elements at the same size; "
+                                    + _ADAM_BOUND),
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    kind: str
+    scope: str
+    target: str
+    layout: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.layout}/{self.target}/{self.scope}/{self.kind}"
+
+    def rank(self) -> int:
+        """The rank the drill is bound to, which is also the rank set a strict score expects."""
+        nproc, _, own = LAYOUTS[self.layout]
+        if nproc == 1:
+            return 0
+        return own if self.target in ("local", "forward") else SHARD_HOLDER
+
+    def spec(self, step: int) -> str:
+        kind, extra = KINDS[self.kind]
+        keys = [f"step={step}", TARGETS[self.target], f"rank={self.rank()}", f"scope={self.scope}",
+                f"seed={SEED}", extra]
+        return f"{kind}:" + ",".join(k for k in keys if k)
+
+    def reason(self) -> Optional[str]:
+        scopes, why = REASONS.get((self.kind, self.target), ((), None))
+        return why if self.scope in scopes else None
+
+
+def cells(quick: bool = False, layouts: tuple = tuple(LAYOUTS)) -> list[Cell]:
+    """Every cell of the menu (quick: one scope per kind), ordered layout, target, scope, kind."""
+    found = []
+    for layout in layouts:
+        for target in TARGETS:
+            for scope in SCOPES:
+                for kind in KINDS:
+                    if quick and scope != QUICK_SCOPE.get(kind, "element"):
+                        continue
+                    found.append(Cell(kind, scope, target, layout))
+    return found
+
+
+def fault_step(index: int) -> int:
+    """The step of a run's ``index``-th fault: right after a checkpoint (the rollback target)."""
+    return WARMUP + 1 + index * GAP
+
+
+def reported_ranks(record: dict) -> list[int]:
+    if record.get("suspected_ranks"):
+        return sorted(record["suspected_ranks"])
+    if record.get("origin_ranks"):
+        return sorted(record["origin_ranks"])
+    if record.get("forward_origin"):
+        return sorted(record["forward_origin"]["ranks"])
+    first = record.get("first") or {}
+    return [first["ranks"]["global"]] if first.get("ranks") else []
+
+
+def names_target(cell: Cell, record: dict) -> bool:
+    first = (record.get("first") or {}).get("name")
+    origin = (record.get("forward_origin") or {}).get("module")
+    if cell.target == "forward":
+        return origin == MODULE or (record.get("first") or {}).get("layer") == LAYER and origin is None
+    return first == PARAM or origin == PARAM.rsplit(".", 1)[0]
+
+
+def score(cell: Cell, step: int, incidents: list[dict], losses: dict, finished: bool) -> dict:
+    """One cell's scores from its run's incident records and last loss per step."""
+    window = [r for r in incidents if step <= r["step"] <= step + DETECT]
+    controls = [r for r in incidents if step + DETECT < r["step"] < step + GAP]
+    first = min(window, key=lambda r: r["step"]) if window else None
+    last_control = step + GAP - 1
+    loss = losses.get(last_control)
+    row = {**asdict(cell), "key": cell.key, "step": step, "spec": cell.spec(step), "rank": cell.rank(),
+           "detected": first is not None, "localized": False, "steps_to_detect": None,
+           "false_positives": len(controls), "recovered": finished and loss is not None,
+           "reason": cell.reason()}
+    if first is not None:
+        row["steps_to_detect"] = first["step"] - step
+        row["reported_ranks"] = reported_ranks(first)
+        row["reported"] = (first.get("forward_origin") or {}).get("module") or (first.get("first") or {}).get("name")
+        row["incident_kind"] = first["kind"]
+        row["localized"] = row["reported_ranks"] == [cell.rank()] and names_target(cell, first)
+    return row
+
+
+def totals(rows: list[dict]) -> dict:
+    """Per layout: cells, detected, strictly localized, false positives, recovered, and how the
+    cells split into detectable (no reason written) and undetectable by design."""
+    out = {}
+    for layout in sorted({r["layout"] for r in rows}):
+        mine = [r for r in rows if r["layout"] == layout]
+        detectable = [r for r in mine if not r["reason"]]
+        out[layout] = {
+            "cells": len(mine), "detected": sum(r["detected"] for r in mine),
+            "localized": sum(r["localized"] for r in mine),
+            "false_positives": sum(r["false_positives"] for r in mine),
+            "recovered": sum(r["recovered"] for r in mine),
+            "detectable": len(detectable), "detectable_detected": sum(r["detected"] for r in detectable),
+            "detectable_localized": sum(r["localized"] for r in detectable),
+            "by_design": len(mine) - len(detectable),
+        }
+    return out

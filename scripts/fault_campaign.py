@@ -1,0 +1,220 @@
+"""The fault campaign (issue 40): every fault kind x scope x target of the drills' menu, on one
+rank and on DP2 (bf16, distributed optimizer), through the tiny-GPT harness, scored strictly
+(scripts/campaign_cells.py says how).
+
+    .venv/bin/python scripts/fault_campaign.py --out runs/campaign            # the full campaign
+    .venv/bin/python scripts/fault_campaign.py --quick --out runs/campaign    # one scope per kind
+    .venv/bin/python scripts/fault_campaign.py --from-json docs/campaign.json --write-docs
+
+One training carries many cells: a fault every GAP steps after a warm-up, each right after a
+checkpoint (the rollback target, where a fault lasts in the weights or the optimizer state) and
+followed by clean control steps. A run that stops early is
+not retried for the cell it stopped in (scored not recovered); the cells after it go to a fresh
+run. The ranks are forked from this process as the tests fork them (tests/conftest.py), so a
+run costs its steps, not a start-up. Progress: one line per cell.
+
+The guard runs at its defaults except where one fault would change how the next is judged: the
+escalation of recurring incidents, the rollback cap and the learning-rate cut are turned off,
+and scenes are not written (speed); detection and naming are the shipped ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO / "scripts"), str(REPO / "tests"), str(REPO)]
+
+import campaign_cells as cc  # noqa: E402
+
+CONFIG = """\
+response: {recur_count: 1000}
+recovery: {max_rollbacks: 1000, lr_factor: 1.0, blacklist: deterministic}
+scene: {enabled: false}
+"""
+BEGIN, END = "<!-- campaign:begin (scripts/fault_campaign.py --write-docs) -->", "<!-- campaign:end -->"
+_STEP = re.compile(r"^step\s+(\d+)/\d+ \| loss (\S+)")
+
+
+def default_runner(out: Path, args: list, nproc: int) -> tuple[int, str]:
+    from conftest import run_tiny
+
+    run = run_tiny(out, *args, nproc=nproc, timeout=900)
+    return run.returncode, run.output
+
+
+def losses_of(output: str) -> dict:
+    """Step -> the loss its last execution printed (None when not finite), from rank 0's lines."""
+    found = {}
+    for line in output.splitlines():
+        match = _STEP.match(line)
+        if match:
+            value = float(match.group(2)) if match.group(2) not in ("nan", "inf", "-inf", "-") else None
+            found[int(match.group(1))] = value
+    return found
+
+
+def run_group(group: list, workdir: Path, runner, progress) -> list[dict]:
+    """Run ``group`` (cells of one layout) in as few trainings as it takes; one row per cell."""
+    rows, pending, attempt = [], list(group), 0
+    while pending:
+        attempt += 1
+        nproc, flags, _ = cc.LAYOUTS[pending[0].layout]
+        steps = cc.fault_step(len(pending) - 1) + cc.GAP - 1
+        out = workdir / f"{pending[0].layout}-{pending[0].target}-{pending[0].scope}-{attempt}"
+        config = workdir / "campaign.yaml"
+        config.write_text(CONFIG)
+        # Checkpoints (the rollback targets, one before each fault) only where a fault stays in the
+        # weights or the optimizer state; a gradient or output fault is over once its step is skipped.
+        saves = cc.GAP if pending[0].target in cc.LASTING else 0
+        args = ["--steps", str(steps), "--save-interval", str(saves), "--seed", str(cc.SEED),
+                "--config", str(config), *flags]
+        for index, cell in enumerate(pending):
+            args += ["--inject", cell.spec(cc.fault_step(index))]
+        code, output = runner(out, args, nproc)
+        losses = losses_of(output)
+        incidents = [json.loads(line) for line in (out / "incidents.jsonl").read_text().splitlines()
+                     if line.strip()] if (out / "incidents.jsonl").exists() else []
+        reached = max(losses, default=0)
+        done = []
+        for index, cell in enumerate(pending):
+            step = cc.fault_step(index)
+            if step > reached and code != 0:
+                break  # never reached: a fresh run carries it
+            row = cc.score(cell, step, incidents, losses, code == 0 or step + cc.GAP - 1 <= reached)
+            row["run"] = out.name
+            done.append(row)
+            progress(row)
+            if code != 0 and step + cc.GAP - 1 > reached:
+                break  # the run stopped inside this cell's window
+        if not done:
+            raise RuntimeError(f"run {out} made no progress (exit {code}): {output[-2000:]}")
+        rows += done
+        pending = pending[len(done):]
+    return rows
+
+
+def campaign(cells: list, workdir: Path, per_run: int, runner=default_runner, quiet: bool = False) -> list[dict]:
+    def progress(row: dict) -> None:
+        if not quiet:
+            mark = "L" if row["localized"] else "d" if row["detected"] else "-" if row["reason"] else "MISS"
+            print(f"[campaign] {row['key']:<45} {mark:<4} step {row['step']:>3} "
+                  f"ttd {row['steps_to_detect']} fp {row['false_positives']} "
+                  f"recovered {row['recovered']} reported {row.get('reported_ranks')} {row.get('reported')}",
+                  flush=True)
+
+    rows = []
+    groups: dict = {}
+    for cell in cells:  # one layout, and lasting targets or not, per training
+        groups.setdefault((cell.layout, cell.target in cc.LASTING), []).append(cell)
+    for group in groups.values():
+        for start in range(0, len(group), per_run):
+            rows += run_group(group[start:start + per_run], workdir, runner, progress)
+    order = {cell.key: index for index, cell in enumerate(cells)}
+    return sorted(rows, key=lambda row: order[row["key"]])
+
+
+def mark(row: dict) -> str:
+    """A table cell: L (localized strictly) / d (detected, not strictly localized) / MISS (detectable,
+    not detected) / - (undetectable by design, not detected), then the steps to detect, +N false
+    positives, ! when the run did not train on."""
+    text = "L" if row["localized"] else "d" if row["detected"] else "-" if row["reason"] else "**MISS**"
+    if row["detected"]:
+        text += str(row["steps_to_detect"])
+    if row["false_positives"]:
+        text += f" +{row['false_positives']}fp"
+    if not row["recovered"]:
+        text += " !"
+    return text
+
+
+def markdown(result: dict) -> str:
+    rows, lines = result["rows"], []
+    meta = result["meta"]
+    lines += [f"Generated by `scripts/fault_campaign.py{' --quick' if meta['quick'] else ''}` "
+              f"(seed {meta['seed']}, megatron-core {meta['megatron_core']}, {meta['seconds']:.0f} s on "
+              f"{meta['cpus']} CPU cores); the JSON is `{meta['json']}`. Target parameter `{cc.PARAM}`, "
+              f"module `{cc.MODULE}`; DP2 binds local and forward faults to rank 1, gradient, weight and "
+              f"state faults to rank {cc.SHARD_HOLDER} (its shard holds the parameter).", "",
+              "| layout | cells | detected | strictly localized | false positives on controls | recovered | "
+              "detectable: detected / localized | undetectable by design |", "|---|---|---|---|---|---|---|---|"]
+    for layout, t in result["totals"].items():
+        lines.append(f"| {layout} | {t['cells']} | {t['detected']} | {t['localized']} | {t['false_positives']} | "
+                     f"{t['recovered']} | {t['detectable_detected']} / {t['detectable_localized']} of "
+                     f"{t['detectable']} | {t['by_design']} |")
+    lines += ["", "Cells: `L` localized strictly, `d` detected but not strictly localized, `**MISS**` detectable "
+              "and not detected, `-` undetectable by design (reason below) and not detected; the digit is the steps "
+              "to detect; `+Nfp` incidents on the control steps; `!` the run did not train on.", ""]
+    scopes = [s for s in cc.SCOPES if any(r["scope"] == s for r in rows)]
+    for layout in dict.fromkeys(r["layout"] for r in rows):
+        lines += [f"**{layout}**", "", "| target | kind | " + " | ".join(scopes) + " |",
+                  "|---|---|" + "---|" * len(scopes)]
+        for target in cc.TARGETS:
+            for kind in cc.KINDS:
+                mine = {r["scope"]: r for r in rows if (r["layout"], r["target"], r["kind"]) == (layout, target, kind)}
+                if mine:
+                    lines.append(f"| {target} | {kind} | " + " | ".join(mark(mine[s]) if s in mine else ""
+                                                                     for s in scopes) + " |")
+        lines.append("")
+    lines += ["Undetectable by design (kind, target: scopes covered, why):", ""]
+    for (kind, target), (covered, why) in cc.REASONS.items():
+        if any(r["kind"] == kind and r["target"] == target for r in rows):
+            lines.append(f"- {kind}, {target} ({', '.join(covered)}): {why}.")
+    return "\n".join(lines) + "\n"
+
+
+def write_docs(result: dict, doc: Path) -> None:
+    text = doc.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{doc} has no {BEGIN} ... {END} section to regenerate")
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    doc.write_text(f"{head}{BEGIN}\n{markdown(result)}{END}{tail}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="one scope per kind (the CI test's cells)")
+    p.add_argument("--layouts", nargs="+", default=list(cc.LAYOUTS), choices=list(cc.LAYOUTS))
+    p.add_argument("--out", default="runs/campaign", help="where the runs go (default runs/campaign)")
+    p.add_argument("--json", help="write the result here (default: OUT/campaign.json)")
+    p.add_argument("--per-run", type=int, default=50, help="cells carried by one training (default 50)")
+    p.add_argument("--from-json", help="do not run: read this result (for --write-docs)")
+    p.add_argument("--write-docs", action="store_true", help="regenerate the section of docs/reliability.md")
+    args = p.parse_args(argv)
+    if args.from_json:  # the reasons may have been written since: the rows and totals take the current ones
+        result = json.loads(Path(args.from_json).read_text())
+        by_key = {c.key: c for c in cc.cells(result["meta"]["quick"])}
+        for row in result["rows"]:
+            row["reason"] = by_key[row["key"]].reason()
+        result["totals"] = cc.totals(result["rows"])
+        Path(args.from_json).write_text(json.dumps(result, indent=1) + "\n")
+    else:
+        from importlib.metadata import version
+
+        os.makedirs(args.out, exist_ok=True)
+        workdir = Path(tempfile.mkdtemp(prefix="campaign.", dir=args.out))
+        started = time.time()
+        rows = campaign(cc.cells(args.quick, tuple(args.layouts)), workdir, args.per_run)
+        target = Path(args.json or Path(args.out) / "campaign.json")
+        result = {"meta": {"quick": args.quick, "seed": cc.SEED, "megatron_core": version("megatron-core"),
+                           "seconds": time.time() - started, "cpus": os.cpu_count(), "json": str(target)},
+                  "totals": cc.totals(rows), "rows": rows}
+        target.write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(result["totals"], indent=1))
+    if args.write_docs:
+        write_docs(result, REPO / "docs" / "reliability.md")
+    else:
+        print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
