@@ -29,10 +29,10 @@ module name, as ``named_modules()`` gives it without wrapper prefixes, e.g. ``de
 ``factor`` (spike, growth, scale, noise), ``bit`` (bitflip: an index or ``exponent_high``,
 ``mantissa_high``, ``mantissa_low``), ``bits`` (bitflip: N bits drawn per element), ``scope``
 (``element``, ``row``, ``1pct``, ``10pct``, ``all``), ``seed`` (draws elements, bits and noise),
-``slot`` (phase=state: ``exp_avg`` or ``exp_avg_sq``); :mod:`megatron_patches.faults` says what each
-does to a tensor. A forward drill models a module whose
-computation breaks on that step's input: it fires on every forward of its steps, a replay
-included, and not when the step is reached again after a rollback.
+``slot`` (phase=state: ``exp_avg`` or ``exp_avg_sq``); "one element" above is the default scope, and
+:mod:`megatron_patches.faults` says what each kind and scope does to a tensor. A forward drill
+models a module whose computation breaks on that step's input: it fires on every forward of its
+steps, a replay included, and not when the step is reached again after a rollback.
 
 An injection is an event in time: each (spec, step) fires once, so steps replayed after a
 rollback are not injected again. What actually fired (spec, parameter or sample, rank) is kept

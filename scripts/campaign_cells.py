@@ -11,7 +11,9 @@ Strict scoring, per cell:
   first is the corrupted one, or the forward origin is the module holding it (weight and state
   targets) or the drilled module (forward target), or, for a forward target, the parameter named
   first is in the drilled module's layer;
-- **false positives**: incidents on the control steps after the detection window;
+- **false positives**: incidents on the control steps after the detection window, other than those
+  continuing the detected fault's own episode (a lasting fault is skipped, then rolled back on the
+  next step);
 - **recovered**: the cell's last control step trained with a finite loss (the run went on);
 - **steps to detect**: the first incident's step minus the fault's.
 """
@@ -24,9 +26,10 @@ from typing import Optional
 PARAM = "decoder.layers.1.mlp.linear_fc1.weight"
 MODULE = "decoder.layers.1.mlp"
 LAYER = 1
-WARMUP = 24  # history's 20-step warm-up and a margin; a checkpoint at every GAP-th step
+WARMUP = 24  # history's 20-step warm-up and a margin; the first checkpoint (rollback target)
 GAP = 6  # a fault every GAP steps: its step, DETECT steps to be found, the rest clean controls
 DETECT = 2
+SAVE_INTERVAL = 2 * GAP  # a checkpoint before every other fault: a rollback replays at most 2 GAP - 1 steps
 SEED = 1234
 
 KINDS = {  # label -> (drill kind, extra keys)
@@ -169,7 +172,7 @@ def cells(quick: bool = False, layouts: tuple = tuple(LAYOUTS)) -> list[Cell]:
 
 
 def fault_step(index: int) -> int:
-    """The step of a run's ``index``-th fault: right after a checkpoint (the rollback target)."""
+    """The step of a run's ``index``-th fault (every other one right after a checkpoint)."""
     return WARMUP + 1 + index * GAP
 
 
@@ -192,11 +195,22 @@ def names_target(cell: Cell, record: dict) -> bool:
     return first == PARAM or origin == PARAM.rsplit(".", 1)[0]
 
 
+def episode(window: list[dict], incidents: list[dict]) -> set[int]:
+    """The steps of the detected fault's own episode: those of the incidents in its detection window
+    and each flagged step right after them (a fault that lasts is skipped, then rolled back on the
+    next step)."""
+    steps, flagged = {r["step"] for r in window}, {r["step"] for r in incidents}
+    while steps and max(steps) + 1 in flagged:
+        steps.add(max(steps) + 1)
+    return steps
+
+
 def score(cell: Cell, step: int, incidents: list[dict], losses: dict, finished: bool) -> dict:
     """One cell's scores from its run's incident records and last loss per step."""
     window = [r for r in incidents if step <= r["step"] <= step + DETECT]
-    controls = [r for r in incidents if step + DETECT < r["step"] < step + GAP]
     first = min(window, key=lambda r: r["step"]) if window else None
+    controls = [r for r in incidents if step + DETECT < r["step"] < step + GAP
+                and r["step"] not in episode(window, incidents)]
     last_control = step + GAP - 1
     loss = losses.get(last_control)
     row = {**asdict(cell), "key": cell.key, "step": step, "spec": cell.spec(step), "rank": cell.rank(),

@@ -73,9 +73,9 @@ def run_group(group: list, workdir: Path, runner, progress) -> list[dict]:
         config.write_text(CONFIG)
         # Checkpoints (the rollback targets, one before each fault) only where a fault stays in the
         # weights or the optimizer state; a gradient or output fault is over once its step is skipped.
-        saves = cc.GAP if pending[0].target in cc.LASTING else 0
-        args = ["--steps", str(steps), "--save-interval", str(saves), "--seed", str(cc.SEED),
-                "--config", str(config), *flags]
+        saves = cc.SAVE_INTERVAL if pending[0].target in cc.LASTING else 0
+        args = ["--steps", str(steps), "--save-interval", str(saves), "--save-from", str(cc.WARMUP),
+                "--seed", str(cc.SEED), "--config", str(config), *flags]
         for index, cell in enumerate(pending):
             args += ["--inject", cell.spec(cc.fault_step(index))]
         code, output = runner(out, args, nproc)
@@ -166,7 +166,7 @@ def markdown(result: dict) -> str:
     lines += ["Undetectable by design (kind, target: scopes covered, why):", ""]
     for (kind, target), (covered, why) in cc.REASONS.items():
         if any(r["kind"] == kind and r["target"] == target for r in rows):
-            lines.append(f"- {kind}, {target} ({', '.join(covered)}): {why}.")
+            lines.append(f"- {kind}, {target} ({', '.join(covered)}): {why.rstrip('.')}.")
     return "\n".join(lines) + "\n"
 
 
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     p.add_argument("--layouts", nargs="+", default=list(cc.LAYOUTS), choices=list(cc.LAYOUTS))
     p.add_argument("--out", default="runs/campaign", help="where the runs go (default runs/campaign)")
     p.add_argument("--json", help="write the result here (default: OUT/campaign.json)")
-    p.add_argument("--per-run", type=int, default=50, help="cells carried by one training (default 50)")
+    p.add_argument("--per-run", type=int, default=60, help="cells carried by one training (default 50)")
     p.add_argument("--from-json", help="do not run: read this result (for --write-docs)")
     p.add_argument("--write-docs", action="store_true", help="regenerate the section of docs/reliability.md")
     args = p.parse_args(argv)

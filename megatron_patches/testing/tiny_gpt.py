@@ -70,6 +70,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="fault to inject, e.g. nan:step=5,param=*linear_fc1.weight,rank=1 (repeatable)")
     p.add_argument("--out", metavar="DIR", default="runs/tiny_gpt", help="output directory (default runs/tiny_gpt)")
     p.add_argument("--save-interval", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    p.add_argument("--save-from", type=int, default=0,
+                   help="no checkpoint before this step (a fault campaign's warm-up needs no rollback target)")
     p.add_argument("--recovery", choices=("in-process", "exit"), default="in-process",
                    help="roll back inside this process (default), or exit with code 84 after writing the "
                         "ledger so a launcher restarts with --resume (how pretrain_gpt.py recovers)")
@@ -92,8 +94,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     for name in ("tp", "pp", "steps", "micro_batches", "micro_batch_size", "layers", "hidden", "heads", "vocab", "seq"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.save_interval < 0:
-        raise UserError(f"--save-interval must be >= 0, got {args.save_interval}")
+    if args.save_interval < 0 or args.save_from < 0:
+        raise UserError(f"--save-interval and --save-from must be >= 0, got {args.save_interval}, {args.save_from}")
     if not 0.0 <= args.dropout < 1.0:
         raise UserError(f"--dropout must be in [0, 1), got {args.dropout}")
     for name in ("initial_loss_scale", "loss_scale"):

@@ -213,7 +213,7 @@ class TinyTrainer:
         step = 1
         if a.resume:
             step = self._resume()
-        elif a.save_interval and not a.distributed_optimizer:
+        elif a.save_interval and not a.distributed_optimizer and not a.save_from:
             # The distributed optimizer's state_dict asserts one Adam step count, and torch Adam has
             # none before its first update: with it the first checkpoint is the first interval's.
             self.save(0, healthy=self._params_finite())
@@ -229,7 +229,7 @@ class TinyTrainer:
                 incidents_at_last_save = self.monitor.counters["incidents"]
                 step = resume
                 continue
-            if a.save_interval and step % a.save_interval == 0:
+            if a.save_interval and step % a.save_interval == 0 and step >= a.save_from:
                 incidents = self.monitor.counters["incidents"] if self.monitor else 0
                 self.save(step, healthy=incidents == incidents_at_last_save and self._params_finite())
                 incidents_at_last_save = incidents
