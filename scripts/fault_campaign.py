@@ -1,17 +1,17 @@
 """The fault campaign (issue 40): every fault kind x scope x target of the drills' menu, on one
 rank and on DP2 (bf16, distributed optimizer), through the tiny-GPT harness, scored strictly
-(scripts/campaign_cells.py says how).
+(scripts/campaign_cells.py says how). Writes OUT/campaign.json (or --json) and OUT/campaign.md.
 
     .venv/bin/python scripts/fault_campaign.py --out runs/campaign            # the full campaign
     .venv/bin/python scripts/fault_campaign.py --quick --out runs/campaign    # one scope per kind
     .venv/bin/python scripts/fault_campaign.py --from-json docs/campaign.json --write-docs
 
-One training carries many cells: a fault every GAP steps after a warm-up, each right after a
-checkpoint (the rollback target, where a fault lasts in the weights or the optimizer state) and
-followed by clean control steps. A run that stops early is
-not retried for the cell it stopped in (scored not recovered); the cells after it go to a fresh
-run. The ranks are forked from this process as the tests fork them (tests/conftest.py), so a
-run costs its steps, not a start-up. Progress: one line per cell.
+One training carries many cells: a fault every GAP steps after a warm-up, each followed by clean
+control steps; where a fault lasts (weights, optimizer state) a checkpoint before every other fault
+is the rollback target. A run that stops early is not retried for the cell it stopped in (scored
+not recovered); the cells after it go to a fresh run. The ranks are forked from this process as
+the tests fork them (tests/conftest.py), so a run costs its steps, not a start-up. Progress: one
+line per cell.
 
 The guard runs at its defaults except where one fault would change how the next is judged: the
 escalation of recurring incidents, the rollback cap and the learning-rate cut are turned off,
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     p.add_argument("--layouts", nargs="+", default=list(cc.LAYOUTS), choices=list(cc.LAYOUTS))
     p.add_argument("--out", default="runs/campaign", help="where the runs go (default runs/campaign)")
     p.add_argument("--json", help="write the result here (default: OUT/campaign.json)")
-    p.add_argument("--per-run", type=int, default=60, help="cells carried by one training (default 50)")
+    p.add_argument("--per-run", type=int, default=60, help="cells carried by one training (default 60)")
     p.add_argument("--from-json", help="do not run: read this result (for --write-docs)")
     p.add_argument("--write-docs", action="store_true", help="regenerate the section of docs/reliability.md")
     args = p.parse_args(argv)
@@ -208,10 +208,12 @@ def main(argv=None) -> int:
                            "seconds": time.time() - started, "cpus": os.cpu_count(), "json": str(target)},
                   "totals": cc.totals(rows), "rows": rows}
         target.write_text(json.dumps(result, indent=1) + "\n")
+        (Path(args.out) / "campaign.md").write_text(markdown(result))
         print(json.dumps(result["totals"], indent=1))
+        print(f"[campaign] {target}, {Path(args.out) / 'campaign.md'}")
     if args.write_docs:
         write_docs(result, REPO / "docs" / "reliability.md")
-    else:
+    elif args.from_json:
         print(markdown(result))
     return 0
 
