@@ -50,7 +50,8 @@ def test_the_table_in_reliability_md_is_the_one_generated_from_campaign_json():
     result = json.loads((REPO / "docs" / "campaign.json").read_text())
     text = (REPO / "docs" / "reliability.md").read_text()
     section = text.split(fc.BEGIN, 1)[1].split(fc.END, 1)[0]
-    assert section == "\n" + fc.markdown(result), "run: scripts/fault_campaign.py --from-json docs/campaign.json --write-docs"
+    regenerate = "scripts/fault_campaign.py --from-json docs/campaign.json --write-docs"
+    assert section == "\n" + fc.markdown(result), f"the table is stale: run {regenerate}"
 
 
 def test_every_undetectable_cell_has_a_reason_and_every_reason_names_a_cell_of_the_menu():
