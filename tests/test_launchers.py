@@ -110,16 +110,17 @@ needs_packaged_loop = pytest.mark.skipif(not _packaged_loop_available(),
 @needs_packaged_loop
 def test_slurm_requeues_a_rollback_and_the_job_resumes_from_the_healthy_checkpoint_standin(tmp_path):
     """guarded.sbatch around torchrun and Megatron-LM's packaged loop, under the stand-in
-    scheduler: a persistent NaN makes the job ask for a rollback at iteration 4; torchrun exits 1,
+    scheduler: a persistent NaN makes the job ask for a rollback at iteration 5; torchrun exits 1,
     restart_on_rollback.py reads the ledger and exits 84, the script requeues the job; the requeued
-    job loads iteration 2, skips 3-4, trains 5-6 at half the learning rate and ends with 0."""
+    job loads iteration 2 (certified by the clean check of 3), trains 3, skips 4-5, trains 6 at half
+    the learning rate and ends with 0."""
     save = tmp_path / "ckpt"
-    env = guard_env(tmp_path, inject=[f"nan:step=3,count=2,param={FC1}"])
+    env = guard_env(tmp_path, inject=[f"nan:step=4,count=2,param={FC1}"])
     first, second = slurm_standin(tmp_path, torchrun_loop(save), env)
     assert "restart budget of 0 is spent; stopping with 84" in first, first[-4000:]
     assert "[guarded.sbatch] rollback asked (exit 84): requeueing job 4242 (restart 1 of 3)" in first
     assert second.endswith("[standin] exit 0\n"), second[-4000:]
-    assert sorted(iterations(second)) == [5, 6]
+    assert sorted(iterations(second)) == [3, 6]
     assert all("learning rate: 5.000000E-04" in line for line in iterations(second).values())
     ledger = Ledger.load(str(save))
     assert ledger.rollbacks == 1 and ledger.events[1]["resumed_from"] == 2

@@ -108,14 +108,14 @@ def test_optimizer_variant_persistent_nan_is_rolled_back_to_its_checkpoint_and_r
     reduce-scatter (there is no view of a rank's own gradient before it): phase grad."""
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", connections(VARIANTS[name]))
     phase = "grad" if name.endswith("fsdp2") or name.endswith("fsdp") else "local"
-    first, second = rollback_run(Loop(None), tmp_path, f"nan:step=3,count=2,rank=1,phase={phase},param={FC1}",
+    first, second = rollback_run(Loop(None), tmp_path, f"nan:step=4,count=2,rank=1,phase={phase},param={FC1}",
                                  *VARIANTS[name])
     found = incidents(tmp_path)
-    assert [(i["step"], i["severity"], i["action"]) for i in found] == [(3, "warning", "skip_step"),
-                                                                        (4, "error", "rollback")], found
+    assert [(i["step"], i["severity"], i["action"]) for i in found] == [(4, "warning", "skip_step"),
+                                                                        (5, "error", "rollback")], found
     assert all(i["first"]["name"] == FC1 and i["first"]["ranks"]["global"] == 1 for i in found)
     assert re.search(r"successfully loaded checkpoint from .* at iteration\s+2\b", second), second[-4000:]
-    assert sorted(iterations(second)) == [5, 6]
+    assert sorted(iterations(second)) == [3, 6]
 
 
 def _cp_run(tmp_path, drill: str, *extra: str) -> tuple[dict, str]:
@@ -151,13 +151,13 @@ def test_context_parallel_attention_nan_is_born_on_one_rank_and_shows_on_both(tm
 
 def test_context_parallel_persistent_nan_is_rolled_back_to_its_checkpoint_and_resumed(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    first, second = rollback_run(Loop(None), tmp_path, f"nan:step=3,count=2,rank=1,phase=local,param={FC1}", *CP2)
+    first, second = rollback_run(Loop(None), tmp_path, f"nan:step=4,count=2,rank=1,phase=local,param={FC1}", *CP2)
     found = incidents(tmp_path)
-    assert [(i["step"], i["severity"], i["action"]) for i in found] == [(3, "warning", "skip_step"),
-                                                                        (4, "error", "rollback")], found
+    assert [(i["step"], i["severity"], i["action"]) for i in found] == [(4, "warning", "skip_step"),
+                                                                        (5, "error", "rollback")], found
     assert all(i["origin_ranks"] == [1] and i["first"]["ranks"]["cp"] == 1 for i in found)
     assert re.search(r"successfully loaded checkpoint from .* at iteration\s+2\b", second), second[-4000:]
-    assert sorted(iterations(second)) == [5, 6]
+    assert sorted(iterations(second)) == [3, 6]
 
 
 def test_the_stand_in_context_parallel_attention_trains_as_one_rank_does(tmp_path):
