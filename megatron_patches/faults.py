@@ -104,11 +104,11 @@ def optimizer_state(optimizer: Any, entries: list) -> list[tuple[str, int, Mappi
     """(global name, forward order, Adam state) of each of ``entries`` (the monitor's, for one
     optimizer) whose main weight has a state in the optimizer this rank steps (under the
     distributed optimizer, its shard's); empty before the first update creates the state."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    state = getattr(inner, "state", {})
+    leaves = getattr(optimizer, "chained_optimizers", None) or [optimizer]  # MoE: dense and expert leaves
+    states = [getattr(leaf.__dict__.get("optimizer", leaf), "state", {}) for leaf in leaves]
     found = []
     for entry in entries:
-        slots = state.get(entry.main) if entry.main is not None else None
+        slots = next((s[entry.main] for s in states if entry.main is not None and entry.main in s), None)
         if slots:
             found.append((entry.info.name, entry.info.order, slots))
     return found

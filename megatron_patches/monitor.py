@@ -161,7 +161,8 @@ class GradMonitor:
         grads = [(e.info.name, e.info.order, g) for e, g in run.seams.current_grads(optimizer, entries) if g is not None]
         weights = [(e.info.name, e.info.order, e.main.data) for e in entries]
         fired = run.drills.apply(step, "grad", self.rank, grads) + run.drills.apply(step, "param", self.rank, weights)
-        fired += run.drills.apply(step, "state", self.rank, faults.optimizer_state(optimizer, entries))
+        if run.drills.due(step, "state", self.rank):  # the state is looked up only for a drill due now
+            fired += run.drills.apply(step, "state", self.rank, faults.optimizer_state(optimizer, entries))
         run.counters["injected"] += len(fired)
 
     def before_direct_clip(self, optimizer: Any) -> None:
