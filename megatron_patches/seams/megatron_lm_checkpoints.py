@@ -101,12 +101,7 @@ def write_marker(directory: str, iteration: int, healthy: bool, incidents: int, 
 
 def saved_lr_scale(root: str, iteration: int) -> float:
     """The learning-rate scale a checkpoint was saved with (1.0: unknown, or saved unscaled)."""
-    try:
-        with open(os.path.join(checkpoint.checkpoint_dir(root, iteration), checkpoint.MARKER),
-                  encoding="utf-8") as handle:
-            value = json.load(handle).get("lr_scale", 1.0)
-    except (OSError, ValueError, AttributeError):
-        return 1.0
+    value = _marker_fields(checkpoint.checkpoint_dir(root, iteration)).get("lr_scale", 1.0)
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) and value > 0 else 1.0
 
 
@@ -184,11 +179,15 @@ class CheckpointMarks:
         from megatron.training import get_args
 
         root = get_args().save
-        for step, directory, healthy in checkpoint.list_checkpoints(root) if root else []:
-            if healthy and step >= since:
-                entry = next((e for e in self._awaiting if e["iteration"] == step), None) or {
-                    "directory": directory, "iteration": step, "marked": True, "fields": _marker_fields(directory)}
-                self._settle(entry, f"a replica found diverged at step {found_at} may date from step {since}")
+        # Those still awaiting certification (a target only once certified, so not listed as one) and
+        # the certified targets on disk.
+        suspect = {e["iteration"]: e for e in self._awaiting if e["iteration"] >= since}
+        for step, directory, target in checkpoint.list_checkpoints(root) if root else []:
+            if target and step >= since and step not in suspect:
+                suspect[step] = {"directory": directory, "iteration": step, "marked": True,
+                                 "fields": _marker_fields(directory)}
+        for entry in suspect.values():
+            self._settle(entry, f"a replica found diverged at step {found_at} may date from step {since}")
 
     def _settle(self, entry: dict, not_certified: Optional[str]) -> None:
         if entry in self._awaiting:
