@@ -81,6 +81,9 @@ _ADAM_BOUND = ("Adam's update stays within about lr per element whatever the sca
 _DRAW_DROP = ("with seed 1234 the three bits drawn for the one element are 3 and 5 (low mantissa) and 28, an "
               "exponent bit set in every value between 2^-31 and 2, so the element is divided by 2^32: it drops "
               "to about zero.")
+_SIGN_BLIND = ("keeps every magnitude the detectors read (norms are sign-blind); single gradient elements "
+               "change sign from batch to batch anyway, and no replica holds ")
+
 REASONS = {  # (kind, target) -> (scopes, why a cell is undetectable by design)
     **{("bitflip:mantissa_low", t): (_ALL, _ULP) for t in TARGETS},
     ("noise:1%", "local"): (_ALL, _NOISE_GRAD),
@@ -118,12 +121,8 @@ REASONS = {  # (kind, target) -> (scopes, why a cell is undetectable by design)
                                                   "third, as mantissa_high does"),
     ("sign", "forward"): (("element", "row"), "a negated activation (or one token's row) is a value the layer gives "
                                               "other inputs; nothing holds what it should be"),
-    ("sign", "local"): (_PARTIAL, "keeps every magnitude the detectors read (norms are sign-blind); single "
-                                  "gradient elements change sign from batch to batch anyway, and no replica holds "
-                                  "the same values before the reduction"),
-    ("sign", "grad"): (_PARTIAL, "keeps every magnitude the detectors read (norms are sign-blind); single "
-                                 "gradient elements change sign from batch to batch anyway, and no replica holds "
-                                 "the same reduced values (one rank; the shard)"),
+    ("sign", "local"): (_PARTIAL, _SIGN_BLIND + "the same values before the reduction"),
+    ("sign", "grad"): (_PARTIAL, _SIGN_BLIND + "the same reduced values (one rank; the shard)"),
     ("sign", "exp_avg"): (_PARTIAL, "reverses the next update of the covered elements at the same size; "
                                     + _ADAM_BOUND),
 }
