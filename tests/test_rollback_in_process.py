@@ -3,7 +3,8 @@ in-memory snapshots certified by the checks after them, the newest certified one
 iterations since redone on the batches they read, and the run then equal to an uninterrupted
 one bit for bit (every rank's weights and optimizer state after every iteration, SHA-256 by
 megatron_patches.testing.step_probe; every logged loss). The negative control leaves the data
-position where the fault left it: the equality must break.
+position where the fault left it: the equality must break. The same equality holds for a
+rollback made by a restart (recovery.mode: restart), with its own negative control.
 
 Ranks are forked from pytest (conftest.run_packaged_loop): one process lifetime per rank, so an
 exit 84 (a restart) shows as the run's exit code and fails these tests.
@@ -12,6 +13,7 @@ exit 84 (a restart) shows as the run's exit code and fails these tests.
 from __future__ import annotations
 
 import re
+import shutil
 
 import pytest
 
@@ -46,19 +48,23 @@ LAYOUTS = {
 REDONE = re.compile(r"\[megatron_patches\] redone iteration\s+(\d+)/\s*\d+ \| lm loss: ([^ |]+)")
 
 
-def train(tmp_path, name: str, *flags: str, drill: str | None = None, config: dict = EXACT, iters: int = ITERS) -> dict:
-    """One run of ``iters`` iterations on 2 ranks: its exit code, output, probe lines and records."""
+def train(tmp_path, name: str, *flags: str, drill: str | None = None, config: dict = EXACT, iters: int = ITERS,
+          save_interval: int = 100, earlier: tuple[str, ...] = ()) -> dict:
+    """One run of ``iters`` iterations on 2 ranks: its exit code, output, probe lines and records.
+    ``earlier``: the output of launches before this one into the same directory (a restart's
+    first job), whose logged losses this run's own override."""
     where = tmp_path / name
-    where.mkdir()
+    where.mkdir(exist_ok=True)
     env = {**guard_env(where, inject=[drill] if drill else [], **config), step_probe.ENV: str(where / "probe")}
     ckpt = where / "ckpt"
     code, output = run_packaged_loop(env, [*TINY, "--train-iters", str(iters), "--save", str(ckpt), "--load", str(ckpt),
-                                           "--save-interval", "100", *flags])
+                                           "--save-interval", str(save_interval), *flags])
     probes = step_probe.read(where / "probe")
     last = {rank: {line["iteration"]: line for line in lines} for rank, lines in probes.items()}  # a redo's line wins
-    losses = {i: m.group(1) for i, line in iterations(output).items() if (m := re.search(r"lm loss: ([^ |]+)", line))}
+    losses = {i: m.group(1) for out in (*earlier, output) for i, line in iterations(out).items()
+              if (m := re.search(r"lm loss: ([^ |]+)", line))}
     losses.update({int(i): loss for i, loss in REDONE.findall(output)})  # a redone iteration's loss wins
-    return {"code": code, "output": output, "after": last, "losses": losses, "incidents": incidents(where)}
+    return {"code": code, "output": output, "outputs": (*earlier, output), "after": last, "losses": losses, "incidents": incidents(where)}
 
 
 def digests(run: dict) -> dict:
@@ -116,6 +122,40 @@ def test_without_the_data_position_restored_the_rollback_is_not_exact(tmp_path, 
     final = {rank: lines[ITERS] for rank, lines in digests(run).items()}
     assert final != {rank: lines[ITERS] for rank, lines in digests(baseline).items()}
 
+
+RESTART = {"recovery": {**EXACT["recovery"], "mode": "restart"}}
+
+
+def test_a_rollback_made_by_a_restart_equals_the_uninterrupted_run(tmp_path, baseline, monkeypatch):
+    """recovery.mode: restart, lr_factor 1, DP2 bf16 with the distributed optimizer, checkpoints
+    every 2 iterations: the first job exits 84 at iteration 6, the second (the same command)
+    loads the checkpoint of 2 (4 was never certified: the check of 5 flagged) and trains on.
+    Every rank's weights and optimizer state after every iteration equal the uninterrupted run's
+    (the second job's lines win for 3 to 10), and so does every logged loss but one: Megatron's
+    first logged iteration of a job (3 here) does not reset its running sums (0.17+), so the
+    job's next line (4) prints the mean of 3 and 4. The negative control resumes a copy of the
+    first job's directory with the data loader started at the first sample."""
+    first = train(tmp_path, "restarted", *DP2_BF16_DISTOPT, drill=FAULT, config=RESTART, save_interval=2)
+    assert first["code"] == 84, first["output"][-6000:]
+    shutil.copytree(tmp_path / "restarted", tmp_path / "unrestored")
+    run = train(tmp_path, "restarted", *DP2_BF16_DISTOPT, config=RESTART, save_interval=2, earlier=(first["output"],))
+    assert run["code"] == 0, run["output"][-6000:]
+    assert "resumed from healthy checkpoint iteration 2" in run["output"]
+    assert [(i["step"], i["action"]) for i in run["incidents"]] == [(5, "skip_step"), (6, "rollback")]
+    assert digests(run) == digests(baseline)  # every rank, every iteration, every bit
+    resumed_second = 4
+    mean = (float(baseline["losses"][3]) + float(baseline["losses"][4])) / 2
+    assert float(run["losses"].pop(resumed_second)) == pytest.approx(mean, rel=1e-6)
+    assert run["losses"] == {i: loss for i, loss in baseline["losses"].items() if i != resumed_second}
+
+    from megatron.training import training
+
+    loader = training.build_pretraining_data_loader
+    monkeypatch.setattr(training, "build_pretraining_data_loader", lambda dataset, consumed: loader(dataset, 0))
+    unrestored = train(tmp_path, "unrestored", *DP2_BF16_DISTOPT, config=RESTART, save_interval=2)
+    assert unrestored["code"] == 0, unrestored["output"][-6000:]
+    final = {rank: lines[ITERS] for rank, lines in digests(unrestored).items()}
+    assert final != {rank: lines[ITERS] for rank, lines in digests(baseline).items()}
 
 
 CORRUPTED = 8

@@ -28,6 +28,12 @@ lets the local attention gather K and V over the CP group instead. The optimizer
 tensor here; :mod:`megatron_patches.testing.cpu_offload` makes the split as on a GPU machine.
 Experts split over expert-tensor-parallel ranks under the all-to-all dispatcher gather pieces of
 different lengths, which gloo refuses; :mod:`megatron_patches.testing.uneven_collectives` pads them.
+The CUDA generator is the CPU one here, and that has one consequence a GPU does not have: a torch
+``DataLoader`` draws a seed for its workers from the default generator each time its iterator is
+made. On a GPU that moves the host generator, which dropout never reads; here it would move
+dropout's, and Megatron-LM makes its data iterators after it loads a checkpoint (RNG included),
+so a resumed job would drop other units than an uninterrupted one. A loader made without a
+generator gets its own (:func:`_loader_with_own_generator`).
 Nothing here is installed by importing this module, and :func:`uninstall` restores every attribute.
 
 This is a test runtime: it makes numbers come out of real megatron-core code on
@@ -43,6 +49,7 @@ import threading
 from typing import Any, Callable
 
 import torch
+import torch.utils.data
 from torch.overrides import TorchFunctionMode
 
 from megatron_patches.testing import context_parallel, cpu_offload, fused_adam, uneven_collectives
@@ -142,6 +149,19 @@ def _cpu_manual_seed(seed):
     torch.default_generator.manual_seed(int(seed))
 
 
+def _loader_with_own_generator(original: Callable) -> Callable:
+    """``DataLoader.__init__`` that gives a loader made without a generator its own (fixed seed),
+    so the seed its iterators draw comes from there and not from the generator dropout reads."""
+
+    @functools.wraps(original)
+    def init(self, *args, **kwargs):
+        if kwargs.get("generator") is None:
+            kwargs["generator"] = torch.Generator()
+        original(self, *args, **kwargs)
+
+    return init
+
+
 def _tensor_type(original: Callable) -> Callable:
     def type_(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
@@ -175,6 +195,7 @@ def _redirects() -> list[tuple[Any, str, Any]]:
         (tp_random, "_get_cuda_rng_state", _cpu_rng_state),
         (tp_random, "_set_cuda_rng_state", _set_cpu_rng_state),
         (torch.Tensor, "type", _tensor_type(torch.Tensor.type)),
+        (torch.utils.data.DataLoader, "__init__", _loader_with_own_generator(torch.utils.data.DataLoader.__init__)),
     ]
     from megatron.core.optimizer import distrib_optimizer
 

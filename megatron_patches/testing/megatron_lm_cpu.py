@@ -16,7 +16,11 @@ checkout assumes CUDA in a few more places, each redirected here and nowhere els
 - Without Apex or Transformer Engine (always the case on CPU), loading a distributed-optimizer
   checkpoint asserts in ``DistributedOptimizer.state_dict`` because the fresh torch optimizer has
   no ``step`` yet; the optimizer state is created first (see
-  :func:`_with_optimizer_state_before_load`).
+  :func:`_with_optimizer_state_before_load`). The same load then gives every parameter's torch
+  Adam state one shared ``step`` tensor, which torch's Adam advances in place once per parameter,
+  so every bias correction after a resume is wrong; each parameter gets its own copy (see
+  :func:`_own_step_per_parameter`). Apex's and Transformer Engine's Adam keep the step in the
+  param group: a job with either never meets these two.
 - ``set_jit_fusion_options`` warms up the bias-GeLU/bias-dropout fusions with ``torch.compile``
   (~25 s on two CPU cores) even when the command line turns them off; the warm-up is skipped.
 - ``validate_args`` asks CUDA for the device's compute capability (``get_device_arch_version``,
@@ -175,6 +179,39 @@ def _with_optimizer_state_before_load(original: Callable) -> Callable:
     return wrapper
 
 
+def _own_step_per_parameter(original: Callable) -> Callable:
+    """``DistributedOptimizer.load_state_dict`` after which each parameter's torch Adam ``step``
+    is its own tensor holding the loaded step.
+
+    Without Apex or Transformer Engine that load (core 0.16.1 and 0.19.2, the two installed here)
+    first puts one ``torch.tensor(step)`` from the saved param groups into every parameter's state,
+    then copies each parameter's ``step`` from the loading template's parameter state into it, and
+    that template is the fresh optimizer's (one warm-up step here: 1). So the resumed job steps
+    with 1 instead of the saved step, and torch's single-tensor Adam, adding 1 in place per
+    parameter, advances the one shared tensor by the number of parameters per step: both change
+    the bias correction. Each parameter gets its own tensor with its group's saved ``step``, and
+    the groups lose the ``step`` key the load added (torch's Adam keeps none there and never reads
+    it; Megatron's ``state_dict`` derives it from the parameters' state on every save), so the
+    optimizer is laid out as in a job that never stopped.
+    """
+
+    @functools.wraps(original)
+    def wrapper(self, state_dict, *args, **kwargs):
+        result = original(self, state_dict, *args, **kwargs)
+        saved_groups = state_dict["optimizer"]["param_groups"]
+        for group, saved in zip(self.optimizer.param_groups, saved_groups):
+            if saved.get("step") is None:
+                continue
+            group.pop("step", None)
+            for param in group["params"]:
+                state = self.optimizer.state.get(param, {})
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = torch.tensor(float(saved["step"]), dtype=state["step"].dtype)
+        return result
+
+    return wrapper
+
+
 def _redirects(on_cpu: bool) -> list[tuple[Any, str, Any]]:
     from megatron.core.datasets import utils as dataset_utils
     from megatron.core.optimizer import distrib_optimizer
@@ -205,6 +242,7 @@ def _redirects(on_cpu: bool) -> list[tuple[Any, str, Any]]:
         items.append(
             (owner, "sharded_state_dict", _with_optimizer_state_before_load(owner.sharded_state_dict))
         )
+        items.append((owner, "load_state_dict", _own_step_per_parameter(owner.load_state_dict)))
     return items
 
 
