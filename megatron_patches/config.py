@@ -245,7 +245,7 @@ class RecoveryConfig:
     position) to host memory after every N-th iteration."""
     snapshots_kept: int = field(default=2, metadata={"check": check.at_least_one})
     """In-process mode: snapshots held per rank (host memory: this many copies of the rank's
-    parameters and optimizer state, said at the first snapshot)."""
+    parameters and optimizer state; the start line says the most any rank may hold)."""
     certify_steps: int = field(default=1, metadata={"check": check.at_least_one})
     """A snapshot or a Megatron-LM checkpoint becomes a rollback target after this many further
     checked steps came out clean (the first of them checks the gradients of its own parameters

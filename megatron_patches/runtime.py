@@ -42,7 +42,7 @@ def install(config: Optional[Config] = None) -> Optional[GradMonitor]:
     if monitor is None:
         monitor = build_monitor(config)  # a bad drill spec stops here, before anything is patched
         wrappers.set_monitor(monitor)
-    patching.install()
+    patching.install(say_now=False)  # said once the optimizer is built (seams.start_line)
     return monitor
 
 

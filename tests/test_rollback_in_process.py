@@ -194,7 +194,13 @@ def test_a_replica_corrupted_before_a_snapshot_rolls_back_to_a_target_before_the
 
 def test_a_guarded_job_says_one_line_at_start(baseline):
     """At the default log level the guard's start is one line on rank 0 (Megatron's own NaN check
-    being on, the default, is a debug line)."""
+    being on, the default, is a debug line), said once the optimizer is built: with what the
+    in-memory snapshots may hold in host memory. The first snapshot, measured, holds no more than
+    that (else a warning says so)."""
     first = re.search(r"iteration\s+1/", baseline["output"])
     started = [line for line in baseline["output"][:first.start()].splitlines() if line.startswith("[megatron_patches]")]
     assert len(started) == 1 and started[0].startswith("[megatron_patches] guarding megatron-core "), started
+    bound = re.search(r"; in-memory snapshots every 2 iterations, 2 kept: at most ([0-9.]+) MiB of host memory per rank$",
+                      started[0])
+    assert bound and float(bound.group(1)) > 0, started[0]
+    assert "reckoned at start" not in baseline["output"]

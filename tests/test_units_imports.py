@@ -184,6 +184,8 @@ PROCESS_STATE = {
     ("megatron_patches.seams.patching", "_installed"): "the process's patches of Megatron's classes",
     ("megatron_patches.seams.patching", "_first_call_seen"): "whether a patched target ran yet in the process",
     ("megatron_patches.seams.patching", "_unwatch"): "the process's import watchers for late-imported targets",
+    ("megatron_patches.seams.start_line", "_held"): "the process's patches' start line, until it is said",
+    ("megatron_patches.seams.start_line", "_deferred"): "whether Megatron-LM's setup is building the model (the line waits)",
     ("megatron_patches.testing.cpu", "_state"): "the CPU runtime's redirects of torch and Megatron",
     ("megatron_patches.testing.megatron_lm_cpu", "_state"): "the CPU runtime's redirects of Megatron-LM's loop",
     ("megatron_patches.testing.fused_adam", "_switched"): "megatron-core's Adam globals the CPU runtime switched to the stand-in",

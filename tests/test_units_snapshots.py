@@ -50,3 +50,27 @@ def test_restore_copies_back_in_place_and_refuses_another_layout():
 def test_the_ranks_agree_on_the_newest_step_all_of_them_hold():
     assert common_newest([[2, 4, 6], [2, 4], [4, 6]]) == 4
     assert common_newest([[2], [4]]) is None and common_newest([]) is None
+
+
+class _Leaf:
+    """What the snapshot code reads of a megatron-core optimizer leaf: the torch optimizer it steps."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+
+def test_the_snapshot_size_reckoned_before_the_first_step_is_the_size_after_it():
+    """The start line's bound comes before any optimizer state exists: torch's Adam (with and
+    without amsgrad) and SGD with momentum create exactly the state reckoned for them."""
+    from megatron_patches.seams.megatron_lm_state import live_tensors, snapshot_bytes
+
+    for make in (lambda p: torch.optim.Adam(p, lr=0.1), lambda p: torch.optim.AdamW(p, lr=0.1, amsgrad=True),
+                 lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.1)):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        main = [p.detach().float().clone().requires_grad_() for p in model.parameters()]  # "main weights"
+        leaf = _Leaf(make(main))
+        reckoned = snapshot_bytes([model], leaf)
+        for p in main:
+            p.grad = torch.ones_like(p)
+        leaf.optimizer.step()
+        assert reckoned == sum(t.numel() * t.element_size() for t in live_tensors([model], leaf)), make

@@ -53,7 +53,7 @@ from .. import collectives
 from ..callbacks import Callback
 from ..errors import UserError, exit_refused
 from ..protocols import Guard
-from . import mindspeed_llm, wrappers
+from . import mindspeed_llm, start_line, wrappers
 from .megatron_lm_checkpoints import DIVERGED, STATE_DIR, TRACKER_FILE, CheckpointMarks, diverged_since, newest_healthy_iteration, read_tracker, saved_lr_scale, state_file, warn0, write_marker
 from .megatron_lm_inprocess import InProcessRollback
 from .megatron_lm_replay import ForwardReplay, replays_here
@@ -271,7 +271,11 @@ def scheduler_wrapper(wrapped, instance, args, kwargs):
     monitor = wrappers.get_monitor()
     if monitor is not None:
         bound = inspect.signature(wrapped).bind(*args, **kwargs)
-        session(monitor).before_scheduler(bound.arguments["optimizer"])
+        optimizer = bound.arguments["optimizer"]
+        run = session(monitor)
+        run.before_scheduler(optimizer)
+        if start_line.held() is not None:
+            start_line.say(run.in_process.memory_bound(optimizer) if run.in_process else "", final=True)
     return wrapped(*args, **kwargs)
 
 
@@ -285,7 +289,9 @@ def setup_model_wrapper(wrapped, instance, args, kwargs):
 
     _refuse_unsupported(get_args())
     switched = switch_off_for_retry(get_args())
+    start_line.defer()  # said by the scheduler hook, with what the in-memory snapshots may hold
     result = wrapped(*args, **kwargs)
+    start_line.say(final=True)  # a setup that built no scheduler
     if switched:
         warn0("safe mode in the built model: %s", built_model_facts(list(result[0])))
     return result

@@ -42,7 +42,7 @@ from ..protocols import Guard
 from ..recovery import Episode
 from .megatron_lm_checkpoints import DIVERGED, diverged_since, newest_healthy_iteration, warn0
 from .megatron_lm_rollback import Rollback
-from .megatron_lm_state import install_tapes, live_tensors, restore_values, small_values
+from .megatron_lm_state import install_tapes, live_tensors, restore_values, small_values, snapshot_bytes
 
 log = logging.getLogger("megatron_patches")
 
@@ -85,6 +85,8 @@ class InProcessRollback(Callback):
         self._result: Any = None
         self.applied_scale = self.restart.ledger.lr_scale
         """The learning-rate scale the live param groups and scheduler carry."""
+        self._expected_bytes: Optional[int] = None
+        """This rank's snapshot size reckoned at start (:meth:`memory_bound`), None if not asked."""
         self._suspect_since: Optional[int] = None
         """Rank 0: the earliest step this episode's replica divergence may date from (no target after it)."""
         monitor.add_callback(self)
@@ -155,6 +157,15 @@ class InProcessRollback(Callback):
         self.rollback.episode_steps, self.episode_samples, self._suspect_since = [], [], None  # the episode is over
         return self._result
 
+    def memory_bound(self, optimizer: Any) -> str:
+        """For the start line (collective: every rank calls it once, before the first step): how
+        often snapshots are taken and the host memory they may hold on the rank holding most."""
+        chunks = self.monitor.model_chunks.chunks_for(optimizer) or []
+        self._expected_bytes = snapshot_bytes(chunks, optimizer)
+        largest = max(row[0] for row in collectives.all_gather_floats([float(self._expected_bytes)]))
+        return (f"; in-memory snapshots every {self.store.interval} iterations, {self.store.kept} kept: at most "
+                f"{self.store.kept * largest / 2**20:.1f} MiB of host memory per rank")
+
     def _snapshot(self, iteration: int, bound: inspect.BoundArguments) -> None:
         if not self.store.due(iteration):
             return
@@ -163,9 +174,12 @@ class InProcessRollback(Callback):
         taken = self.store.take(iteration, live_tensors(model, optimizer),
                                 small_values(optimizer, scheduler, self.monitor, self.ledger.lr_scale))
         if taken is not None and first:
-            warn0("in-memory snapshots every %d iterations, %d kept: %.1f MiB per snapshot on rank 0 (at most "
-                  "%.1f MiB of host memory per rank of its size)", self.store.interval, self.store.kept,
-                  taken.nbytes / 2**20, self.store.kept * taken.nbytes / 2**20)
+            log.debug("in-memory snapshot of step %d: %.3f MiB on this rank", iteration, taken.nbytes / 2**20)
+            if self._expected_bytes is not None and taken.nbytes > self._expected_bytes:
+                log.warning("in-memory snapshot of step %d: %.1f MiB on rank %d, more than the %.1f MiB reckoned "
+                            "at start (an optimizer state this guard does not know); %d are kept",
+                            iteration, taken.nbytes / 2**20, self.monitor.rank, self._expected_bytes / 2**20,
+                            self.store.kept)
         oldest = min((s.step for s in self.store.snapshots), default=iteration)
         for tape in self._tapes or ():
             tape.forget_through(oldest)

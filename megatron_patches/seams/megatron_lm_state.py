@@ -102,6 +102,31 @@ def live_tensors(model_chunks: list, optimizer: Any) -> list:
     return out
 
 
+def snapshot_bytes(model_chunks: list, optimizer: Any) -> int:
+    """Bytes one snapshot of :func:`live_tensors` takes on this rank, known before the first step:
+    the state tensors an optimizer creates at its first step are counted as they will be (Adam's
+    two moments, and a third with amsgrad, shaped like the parameter; SGD's momentum buffer), the
+    ones already there as they are."""
+    total = sum(t.numel() * t.element_size() for t in live_tensors(model_chunks, optimizer))
+    for leaf in _leaves(optimizer):
+        inner = getattr(leaf, "optimizer", None)
+        for group in getattr(inner, "param_groups", ()):
+            for param in group["params"]:
+                if inner.state.get(param):
+                    continue  # already counted among the live tensors
+                shard = collectives.local_shard(param)
+                total += _state_tensors_to_come(group) * shard.numel() * shard.element_size()
+                total += 4 if "betas" in group else 0  # torch Adam's step, a float32 scalar per parameter
+    return total
+
+
+def _state_tensors_to_come(group: dict) -> int:
+    """Parameter-shaped state tensors a torch optimizer's group creates at its first step."""
+    if "betas" in group:  # the Adam family
+        return 3 if group.get("amsgrad") else 2
+    return 1 if group.get("momentum") else 0
+
+
 def small_values(optimizer: Any, scheduler: Any, monitor: Guard, lr_scale: float) -> dict:
     """Copies of what is not a tensor of the model or optimizer: scheduler, group settings (lr,
     step), loss scaler, every RNG, the rerun machine's counts, the guard's baselines."""

@@ -26,7 +26,7 @@ import wrapt
 
 from .. import versions
 from ..errors import UnsupportedVersionError
-from . import mindspeed
+from . import mindspeed, start_line
 from .marks import _our_wrapper, already_hooked
 from .parallel import megatron_core_version
 from .targets import MEGATRON_CORE_SUPPORTED, TARGETS, TRAINING_TARGETS, PatchTarget
@@ -152,8 +152,10 @@ def _bind_copies(target: PatchTarget, original: Any, wrapped: Any) -> None:
                 log.info("%s: rebound %s.%s too", target.dotted, module_name, attr)
 
 
-def install(version: Optional[str] = None) -> list[str]:
-    """Wrap every registry target; returns the dotted paths wrapped now. Idempotent."""
+def install(version: Optional[str] = None, say_now: bool = True) -> list[str]:
+    """Wrap every registry target; returns the dotted paths wrapped now. Idempotent.
+    ``say_now``: log the one start line now; False holds it until the training has built its
+    optimizer (:mod:`.start_line`: what the guard's runtime does)."""
     version = check_version(version=version)
     if _installed:
         return []
@@ -202,8 +204,11 @@ def install(version: Optional[str] = None) -> list[str]:
         done.append(target.dotted)
     if done:
         packages = sorted({module.rsplit(".", 1)[0] for module in absent})
-        log.info("guarding megatron-core %s: %d targets wrapped%s; log_level debug lists each and why",
-                 version, len(done), f", {', '.join(packages)} absent (its targets skipped)" if packages else "")
+        start_line.hold(f"guarding megatron-core {version}: {len(done)} targets wrapped"
+                        f"{', ' + ', '.join(packages) + ' absent (its targets skipped)' if packages else ''}; "
+                        "log_level debug lists each and why")
+        if say_now:
+            start_line.say(final=True)
     return done
 
 

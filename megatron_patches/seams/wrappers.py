@@ -14,7 +14,7 @@ import functools
 import inspect
 from typing import Any, Callable, Optional
 
-from . import bucket_norms, grad_sync, rerun_machine, served_norm
+from . import bucket_norms, grad_sync, rerun_machine, served_norm, start_line
 from .. import forward_origin
 from .mindspeed import undo_prepare_on_skip
 from .parallel import parallel_state
@@ -128,6 +128,7 @@ def get_optimizer_wrapper(wrapped, instance, args, kwargs):
     bound = _signature(wrapped).bind(*args, **kwargs)
     optimizer = wrapped(*args, **kwargs)
     register_model(optimizer, bound.arguments["model_chunks"])
+    start_line.say()
     return optimizer
 
 
