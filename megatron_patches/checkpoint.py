@@ -2,8 +2,11 @@
 saved by :mod:`megatron_patches.testing.checkpoints`, or Megatron-LM's).
 
 ``megatron_patches.json`` beside the data says whether the checkpoint is *healthy*: no
-incident since the previous healthy checkpoint and every parameter finite on every rank.
-Retention never deletes the newest healthy checkpoint. Nothing here knows Megatron's classes.
+incident since the previous healthy checkpoint and every parameter finite on every rank. A
+healthy one written ``certified_at: null`` is a rollback target only once the checked steps
+after it came out clean (:class:`Certification`; Megatron-LM's loop has its own in
+:mod:`megatron_patches.seams.megatron_lm_checkpoints`). Retention never deletes the newest
+rollback target. Nothing here knows Megatron's classes.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 
+from .callbacks import Callback
 from .collectives import collective_device, local_shard
 from .files import write_json_atomic
 
@@ -109,8 +113,64 @@ def _bad_marker(path: str, why: str) -> None:
 
 
 def newest_healthy(root: str) -> Optional[tuple[int, str]]:
+    """The newest rollback target: healthy, and certified where its marker awaited it."""
     healthy = [(step, path) for step, path, ok in list_checkpoints(root) if ok]
     return healthy[-1] if healthy else None
+
+
+def newest_resumable(root: str) -> Optional[tuple[int, str, bool]]:
+    """(step, path, awaiting) of the newest healthy checkpoint, certified or still awaiting it:
+    what a job that resumes (not one that rolls back) loads. A save awaits certification when the
+    job ended before the checks after it; a flagged check before the end marked it unhealthy."""
+    found = [(step, path) for step, path, _ in list_checkpoints(root) if _marker(path).get("healthy") is True]
+    if not found:
+        return None
+    step, path = found[-1]
+    return step, path, "certified_at" in _marker(path) and _marker(path)["certified_at"] is None
+
+
+def _marker(directory: str) -> dict:
+    with open(os.path.join(directory, MARKER), encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+class Certification(Callback):
+    """Rank 0's list of this run's healthy checkpoints awaiting certification: each becomes a
+    rollback target after ``certify_steps`` clean checked steps (its marker rewritten with
+    ``certified_at``), and is marked unhealthy (``not_certified``) at a flagged step first. Loops
+    that write these markers register one with the monitor (the tiny-GPT harness)."""
+
+    def __init__(self, certify_steps: int, rank: int):
+        self.certify_steps = certify_steps
+        self.rank = rank
+        self.waiting: list[list] = []
+        """[step, path, clean checks so far], oldest first (rank 0)."""
+
+    def awaiting(self, step: int, path: str) -> None:
+        """A checkpoint written (or loaded) with ``certified_at: null``."""
+        if self.rank == 0:
+            self.waiting.append([step, path, 0])
+
+    def after_check(self, step: int, flagged: bool) -> None:
+        for entry in [e for e in self.waiting if e[0] < step]:
+            if flagged:
+                self._settle(entry, {"healthy": False,
+                                     "not_certified": f"step {step} was flagged before the checkpoint was certified"})
+                continue
+            entry[2] += 1
+            if entry[2] >= self.certify_steps:
+                self._settle(entry, {"certified_at": step})
+
+    def _settle(self, entry: list, fields: dict) -> None:
+        self.waiting.remove(entry)
+        step, path, _ = entry
+        try:
+            write_json_atomic(os.path.join(path, MARKER), {**_marker(path), **fields})
+        except (OSError, ValueError) as error:  # gone (retention) or unreadable: it stays no target
+            log.warning("checkpoint step %d: marker not rewritten (%s)", step, error)
+            return
+        log.info("checkpoint step %d %s", step, f"not certified: {fields['not_certified']}" if "not_certified" in fields
+                 else f"certified at step {fields['certified_at']}")
 
 
 def apply_retention(root: str, keep: int) -> None:

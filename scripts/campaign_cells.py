@@ -26,10 +26,10 @@ from typing import Optional
 PARAM = "decoder.layers.1.mlp.linear_fc1.weight"
 MODULE = "decoder.layers.1.mlp"
 LAYER = 1
-WARMUP = 24  # history's 20-step warm-up and a margin; the first checkpoint (rollback target)
+WARMUP = 24  # history's 20-step warm-up and a margin; the first checkpoint (rollback target) is the step before
 GAP = 6  # a fault every GAP steps: its step, DETECT steps to be found, the rest clean controls
 DETECT = 2
-SAVE_INTERVAL = 2 * GAP  # a checkpoint before every other fault: a rollback replays at most 2 GAP - 1 steps
+SAVE_INTERVAL = 2 * GAP  # a checkpoint before every other fault: a rollback replays at most 2 GAP steps
 SEED = 1234
 
 KINDS = {  # label -> (drill kind, extra keys)
@@ -171,7 +171,7 @@ def cells(quick: bool = False, layouts: tuple = tuple(LAYOUTS)) -> list[Cell]:
 
 
 def fault_step(index: int) -> int:
-    """The step of a run's ``index``-th fault (every other one right after a checkpoint)."""
+    """The step of a run's ``index``-th fault (every other one two steps after a checkpoint)."""
     return WARMUP + 1 + index * GAP
 
 

@@ -73,8 +73,9 @@ def run_group(group: list, workdir: Path, runner, progress) -> list[dict]:
         config.write_text(CONFIG)
         # Checkpoints (the rollback targets, one before each fault) only where a fault stays in the
         # weights or the optimizer state; a gradient or output fault is over once its step is skipped.
+        # Each is saved two steps before a fault, so the clean check between certifies it.
         saves = cc.SAVE_INTERVAL if pending[0].target in cc.LASTING else 0
-        args = ["--steps", str(steps), "--save-interval", str(saves), "--save-from", str(cc.WARMUP),
+        args = ["--steps", str(steps), "--save-interval", str(saves), "--save-from", str(cc.WARMUP - 1),
                 "--seed", str(cc.SEED), "--config", str(config), *flags]
         for index, cell in enumerate(pending):
             args += ["--inject", cell.spec(cc.fault_step(index))]

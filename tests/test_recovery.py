@@ -99,14 +99,14 @@ def test_faults_on_two_replicas_at_once_are_critical_and_every_rank_exits(tmp_pa
     config = tmp_path / "guard.yaml"
     config.write_text("response: {exit_codes: {critical: 93}}\n")
     procs = run_ranks(2, ["--out", str(tmp_path), "--steps", "10", "--save-interval", "2", "--config", str(config),
-                          "--inject", f"nan:step=5,param={FC1},rank=0,phase=local",
-                          "--inject", "nan:step=5,param=decoder.layers.0.mlp.linear_fc2.weight,rank=1,phase=local"])
+                          "--inject", f"nan:step=6,param={FC1},rank=0,phase=local",
+                          "--inject", "nan:step=6,param=decoder.layers.0.mlp.linear_fc2.weight,rank=1,phase=local"])
     assert [p.returncode for p in procs] == [93, 93], procs[0].stdout[-2000:]
     record = [json.loads(line) for line in (tmp_path / "incidents.jsonl").read_text().splitlines()][-1]
     assert (record["severity"], record["action"]) == ("critical", "stop")
     assert record["origin_ranks"] == [0, 1]
     assert "2 data-parallel replicas" in record["reason"]
-    # The last healthy checkpoint is intact: a restart from it trains to the end.
+    # The last rollback target (4, certified by the clean check of 5) is intact: a restart from it trains to the end.
     resumed = run_tiny(tmp_path, "--steps", "10", "--resume", nproc=2)
     result = assert_trained(resumed, min_drop=0.0)
     assert result["loss_log"][0][0] == 5 and result["incidents"] == 0

@@ -1,5 +1,8 @@
 """In-memory snapshots without ranks (megatron_patches.snapshots): which become rollback targets,
-which a flagged check drops, which one gives way to a new one, and what the ranks agree on."""
+which a flagged check drops, which one gives way to a new one, and what the ranks agree on; the
+size the start line reckons; the harness's checkpoints certified the same way."""
+
+import json
 
 import torch
 
@@ -74,3 +77,31 @@ def test_the_snapshot_size_reckoned_before_the_first_step_is_the_size_after_it()
             p.grad = torch.ones_like(p)
         leaf.optimizer.step()
         assert reckoned == sum(t.numel() * t.element_size() for t in live_tensors([model], leaf)), make
+
+
+def test_a_harness_checkpoint_is_a_target_once_certified_and_a_resumed_job_certifies_the_last_one(tmp_path):
+    """megatron_patches.checkpoint.Certification on the markers the tiny-GPT harness writes: a
+    healthy save awaits its clean checks, a flagged check first makes it unhealthy, and a job
+    that resumes may load the one the last job could not certify (a rollback may not)."""
+    from megatron_patches.checkpoint import (Certification, checkpoint_dir, newest_healthy, newest_resumable,
+                                             read_marker, write_marker)
+
+    root = str(tmp_path)
+    certification = Certification(certify_steps=2, rank=0)
+    for step in (2, 4, 6):
+        path = checkpoint_dir(root, step)
+        (tmp_path / path).mkdir()
+        write_marker(path, step, True, certified_at=None)
+        certification.awaiting(step, path)
+        if step == 2:
+            certification.after_check(3, flagged=False)
+            certification.after_check(4, flagged=False)  # 2: certified; 4 (saved after) not judged by it
+    assert read_marker(checkpoint_dir(root, 2)) == (2, True)
+    assert [read_marker(checkpoint_dir(root, s)) for s in (4, 6)] == [(4, False), (6, False)]  # awaiting
+    certification.after_check(5, flagged=False)  # 4: one clean check of two
+    certification.after_check(7, flagged=True)  # 4 and 6 awaited: neither becomes a target
+    assert newest_healthy(root) == (2, checkpoint_dir(root, 2))
+    assert "step 7 was flagged" in json.loads(open(f"{checkpoint_dir(root, 6)}/megatron_patches.json").read())[
+        "not_certified"]
+    write_marker(checkpoint_dir(root, 6), 6, True, certified_at=None)  # a job that ended after saving 6
+    assert newest_resumable(root) == (6, checkpoint_dir(root, 6), True) and newest_healthy(root)[0] == 2

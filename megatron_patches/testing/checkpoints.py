@@ -60,11 +60,12 @@ def _sharded_state(model: Any, optimizer: Any, is_loading: bool) -> dict:
 
 
 def save_checkpoint(root: str, step: int, model: Any, optimizer: Any, scheduler: Any, extra: dict,
-                    healthy: bool, keep: int = 3) -> str:
+                    healthy: bool, keep: int = 3, awaiting: bool = False) -> str:
     """Save on every rank (collective); returns the checkpoint directory.
 
     ``extra`` (scheduler-independent, identical on all ranks: data position, guard state...)
-    is stored in the common part. ``healthy`` must be the same on every rank."""
+    is stored in the common part. ``healthy`` must be the same on every rank. ``awaiting``: a
+    healthy one is marked ``certified_at: null`` (a rollback target once certified)."""
     from megatron.core import dist_checkpointing
 
     final = checkpoint.checkpoint_dir(root, step)
@@ -79,7 +80,7 @@ def save_checkpoint(root: str, step: int, model: Any, optimizer: Any, scheduler:
     _barrier()
     if rank() == 0:
         try:
-            checkpoint.write_marker(tmp, step, healthy)
+            checkpoint.write_marker(tmp, step, healthy, **({"certified_at": None} if healthy and awaiting else {}))
         except OSError as error:  # the others wait at the barrier below: never raise here
             log.warning("checkpoint step %d could not be marked (%s): without a marker it is never a "
                         "rollback target", step, error)

@@ -71,7 +71,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", metavar="DIR", default="runs/tiny_gpt", help="output directory (default runs/tiny_gpt)")
     p.add_argument("--save-interval", type=int, default=0, help="save a checkpoint every N steps (0: never)")
     p.add_argument("--save-from", type=int, default=0,
-                   help="no checkpoint before this step (a fault campaign's warm-up needs no rollback target)")
+                   help="the first checkpoint's step; the others every --save-interval steps after it (default 0: "
+                        "multiples of the interval; a fault campaign's warm-up needs no rollback target)")
     p.add_argument("--recovery", choices=("in-process", "exit"), default="in-process",
                    help="roll back inside this process (default), or exit with code 84 after writing the "
                         "ledger so a launcher restarts with --resume (how pretrain_gpt.py recovers)")

@@ -64,6 +64,12 @@ class TinyTrainer:
         self.recovery = None
         self._ledger_lr_scale = 1.0
         self.run_log = RunLog(args, self.monitor, self.rank)
+        self.certification = None
+        if self.monitor is not None:  # its checkpoints are targets once the checks after them came out clean
+            from ..checkpoint import Certification
+
+            self.certification = Certification(self.monitor.config.recovery.certify_steps, self.rank)
+            self.monitor.add_callback(self.certification)
         if self.monitor is not None and args.recovery == "in-process":
             from ..recovery import InProcessRecovery
 
@@ -192,8 +198,10 @@ class TinyTrainer:
         extra = {"sampler": self.sampler.state_dict(),
                  "monitor": self.monitor.state_dict() if self.monitor is not None else None}
         keep = (self.monitor.config.recovery.keep_checkpoints if self.monitor is not None else None) or 3
-        save_checkpoint(self.checkpoint_root, step, self.model, self.optimizer, self.scheduler, extra,
-                        healthy=healthy, keep=keep)
+        path = save_checkpoint(self.checkpoint_root, step, self.model, self.optimizer, self.scheduler, extra,
+                               healthy=healthy, keep=keep, awaiting=self.certification is not None)
+        if healthy and self.certification is not None:
+            self.certification.awaiting(step, path)
 
     def _mean_loss(self, losses: list[dict]) -> float:
         """Mean loss over the last pipeline stage's ranks, known on every rank (float32 tensors on
@@ -229,7 +237,7 @@ class TinyTrainer:
                 incidents_at_last_save = self.monitor.counters["incidents"]
                 step = resume
                 continue
-            if a.save_interval and step % a.save_interval == 0 and step >= a.save_from:
+            if a.save_interval and step >= a.save_from and (step - a.save_from) % a.save_interval == 0:
                 incidents = self.monitor.counters["incidents"] if self.monitor else 0
                 self.save(step, healthy=incidents == incidents_at_last_save and self._params_finite())
                 incidents_at_last_save = incidents
@@ -237,13 +245,16 @@ class TinyTrainer:
         return self._finish()
 
     def _resume(self) -> int:
-        """--resume: load the newest healthy checkpoint; returns the step to run next."""
-        from ..checkpoint import newest_healthy
+        """--resume: load the newest healthy checkpoint (one the last job saved and could not
+        certify is certified by this job's first clean checks); returns the step to run next."""
+        from ..checkpoint import newest_resumable
 
-        found = newest_healthy(self.checkpoint_root)
+        found = newest_resumable(self.checkpoint_root)
         if found is None:
             raise UserError(f"--resume: no healthy checkpoint under {self.checkpoint_root}")
         step = self.load_checkpoint(found[1]) + 1
+        if found[2] and self.certification is not None:
+            self.certification.awaiting(found[0], found[1])
         # the ledger's lr scale applies on top of the restored schedule
         self.set_lr_scale(self.recovery.ledger.lr_scale if self.recovery else self._ledger_lr_scale)
         if self.rank == 0:
