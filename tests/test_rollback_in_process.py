@@ -20,7 +20,7 @@ import pytest
 from conftest import run_packaged_loop
 from megatron_patches.seams import megatron_lm_inprocess, megatron_lm_state
 from megatron_patches.testing import step_probe
-from test_megatron_lm import FC1, TINY, _packaged_loop_available, guard_env, incidents, iterations
+from test_megatron_lm import FC1, TINY, Loop, _packaged_loop_available, guard_env, incidents, iterations, patched_copy
 
 pytestmark = [pytest.mark.multiproc,
               pytest.mark.skipif(not _packaged_loop_available(),
@@ -121,6 +121,36 @@ def test_without_the_data_position_restored_the_rollback_is_not_exact(tmp_path, 
     assert run["incidents"][1]["rolled_back_to"] == 2
     final = {rank: lines[ITERS] for rank, lines in digests(run).items()}
     assert final != {rank: lines[ITERS] for rank, lines in digests(baseline).items()}
+
+
+@pytest.mark.megatron_lm
+def test_a_checkout_s_pretrain_gpt_rolls_back_in_process_and_equals_its_uninterrupted_run(tmp_path,
+                                                                                          megatron_lm_dir):
+    """The same fault through a Megatron-LM checkout's own pretrain_gpt.py (patched by `make patch`'s
+    script, run under torchrun: MEGATRON_LM_DIR), DP2 bf16 with the distributed optimizer: rolled
+    back in process to the snapshot of 2, and every rank's weights, optimizer state and logged
+    loss after every iteration equal the checkout's uninterrupted run."""
+    loop = Loop(patched_copy(megatron_lm_dir, tmp_path, None))
+
+    def run(name: str, drill: str | None) -> dict:
+        where = tmp_path / name
+        where.mkdir()
+        env = {**guard_env(where, inject=[drill] if drill else [], **EXACT), step_probe.ENV: str(where / "probe")}
+        proc = loop.run(env, "--train-iters", str(ITERS), "--save", str(where / "ckpt"), "--load", str(where / "ckpt"),
+                        "--save-interval", "100", *DP2_BF16_DISTOPT, *loop.checkpoint_format())
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 0, output[-6000:]
+        last = {rank: {line["iteration"]: line for line in lines} for rank, lines in step_probe.read(where / "probe").items()}
+        losses = {i: m.group(1) for i, line in iterations(output).items() if (m := re.search(r"lm loss: ([^ |]+)", line))}
+        losses.update({int(i): loss for i, loss in REDONE.findall(output)})
+        return {"output": output, "after": last, "losses": losses, "incidents": incidents(where)}
+
+    clean, rolled = run("clean", None), run("rolled", FAULT)
+    assert [(i["step"], i["action"], i.get("rolled_back_to")) for i in rolled["incidents"]] == [
+        (5, "skip_step", None), (6, "rollback", 2)]
+    assert "rolled back in process to the snapshot of iteration 2" in rolled["output"]
+    assert digests(rolled) == digests(clean) and len(digests(clean)[0]) == ITERS
+    assert rolled["losses"] == clean["losses"] and len(clean["losses"]) == ITERS
 
 
 RESTART = {"recovery": {**EXACT["recovery"], "mode": "restart"}}

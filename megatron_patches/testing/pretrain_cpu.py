@@ -73,9 +73,11 @@ def _run_script(script: Path, args: list[str]) -> None:
         )
     sys.path.insert(0, str(script.parent))
 
-    from megatron_patches.testing import megatron_lm_cpu
+    from megatron_patches.testing import megatron_lm_cpu, step_probe
 
     megatron_lm_cpu.install()
+    if os.environ.get(step_probe.ENV):
+        step_probe.install(os.environ[step_probe.ENV])
     sys.argv = [str(script), *args]
     runpy.run_path(str(script), run_name="__main__")
 
