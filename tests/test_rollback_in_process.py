@@ -21,6 +21,7 @@ from conftest import run_packaged_loop
 from megatron_patches.seams import megatron_lm_inprocess, megatron_lm_state
 from megatron_patches.testing import step_probe
 from test_megatron_lm import FC1, TINY, Loop, _packaged_loop_available, guard_env, incidents, iterations, patched_copy
+from test_variant_loops import BF16_STATES, OFFLOAD, PRECISION_AWARE, VARIANTS, connections
 
 pytestmark = [pytest.mark.multiproc,
               pytest.mark.skipif(not _packaged_loop_available(),
@@ -41,6 +42,14 @@ LAYOUTS = {
     "pp2_vpp2": (("--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage",
                   "1"), "nan:step=5,count=2,rank=1,param=decoder.layers.3.mlp.linear_fc1.weight"),
     "dp2_fp32": ((), FAULT),
+    # The optimizer variants of tests/test_variant_loops.py (stand-ins named there): host copies of
+    # CPU offload, scaled states of the precision-aware optimizer, DTensor shards of FSDP2, and
+    # Megatron-FSDP, whose compute weights are copied again from the restored main shards. Under
+    # FSDP the drill lands after the reduce-scatter (no view of a rank's gradient before it).
+    "cpu_offload": (OFFLOAD, FAULT),
+    "precision_aware_bf16_states": ((*PRECISION_AWARE, *BF16_STATES), FAULT),
+    "torch_fsdp2": (VARIANTS["torch_fsdp2"], FAULT.replace("phase=local", "phase=grad")),
+    "megatron_fsdp": (VARIANTS["megatron_fsdp"], FAULT.replace("phase=local", "phase=grad")),
     "ep2_moe": (("--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
                  "--disable-bias-linear", "--bf16", "--use-distributed-optimizer"),
                 "nan:step=5,count=2,rank=1,phase=local,param=decoder.layers.1.self_attention.linear_qkv.weight"),
@@ -90,13 +99,15 @@ def baseline(uninterrupted):
     return uninterrupted("dp2_bf16_distopt")
 
 
-SLOW = ("pp2_vpp2", "dp2_fp32")  # make test-all; measured 2026-12-04, exact like the others
+SLOW = ("pp2_vpp2", "dp2_fp32", "precision_aware_bf16_states")  # make test-all; measured exact like the others
 
 
 @pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name
                                     for name in sorted(LAYOUTS)])
-def test_a_persistent_nan_rolls_back_in_process_and_equals_the_uninterrupted_run(tmp_path, uninterrupted, layout):
+def test_a_persistent_nan_rolls_back_in_process_and_equals_the_uninterrupted_run(tmp_path, uninterrupted, layout,
+                                                                                  monkeypatch):
     flags, drill = LAYOUTS[layout]
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", connections(flags))
     baseline = uninterrupted(layout)
     run = train(tmp_path, "rolled", *flags, drill=drill)
     output = run["output"]

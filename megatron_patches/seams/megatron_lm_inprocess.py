@@ -42,7 +42,7 @@ from ..protocols import Guard
 from ..recovery import Episode
 from .megatron_lm_checkpoints import DIVERGED, diverged_since, newest_healthy_iteration, warn0
 from .megatron_lm_rollback import Rollback
-from .megatron_lm_state import install_tapes, live_tensors, restore_values, small_values, snapshot_bytes
+from .megatron_lm_state import after_restore, install_tapes, live_tensors, restore_values, small_values, snapshot_bytes
 
 log = logging.getLogger("megatron_patches")
 
@@ -294,6 +294,7 @@ def restore_snapshot(run: InProcessRollback, episode: Episode) -> Episode:
         snapshots.restore(snapshot, live_tensors(model, optimizer))
     except RuntimeError as error:  # the state's layout changed since the snapshot: nothing was copied
         run.fall_back(episode.decision, str(error))
+    after_restore(model, optimizer)
     restore_values(snapshot.values, optimizer, scheduler, run.monitor)
     run.applied_scale = snapshot.values["lr_scale"]
     run.store.drop_after(target)

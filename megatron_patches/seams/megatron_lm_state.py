@@ -76,9 +76,9 @@ def _leaves(optimizer: Any) -> list:
 
 
 def live_tensors(model_chunks: list, optimizer: Any) -> list:
-    """Every tensor of this rank's training state, in a fixed order: the model's parameters,
-    then each optimizer leaf's stepped parameters (main weights or their shards) and their state
-    (Adam's moments and step), each once."""
+    """Every tensor of this rank's training state, in a fixed order: the model's parameters
+    (except under Megatron-FSDP, see below), then each optimizer leaf's stepped parameters (main
+    weights or their shards) and their state (Adam's moments and step), each once."""
     seen: set = set()
     out: list = []
 
@@ -87,9 +87,12 @@ def live_tensors(model_chunks: list, optimizer: Any) -> list:
             seen.add(id(tensor))
             out.append(collectives.local_shard(tensor))
 
-    for chunk in model_chunks:
-        for param in chunk.parameters():
-            add(param)
+    # Megatron-FSDP frees the storage of the unsharded parameters between the forward passes that
+    # gather them from the shards the optimizer steps: the shards alone are the model's state.
+    if not _megatron_fsdp(model_chunks):
+        for chunk in model_chunks:
+            for param in chunk.parameters():
+                add(param)
     for leaf in _leaves(optimizer):
         inner = getattr(leaf, "optimizer", None)
         if inner is None:
@@ -100,6 +103,21 @@ def live_tensors(model_chunks: list, optimizer: Any) -> list:
                 for _, value in sorted(inner.state.get(param, {}).items()):
                     add(value)
     return out
+
+
+def _megatron_fsdp(model_chunks: list) -> bool:
+    return any(getattr(getattr(chunk, "ddp_config", None), "use_megatron_fsdp", False) for chunk in model_chunks)
+
+
+def after_restore(model_chunks: list, optimizer: Any) -> None:
+    """Under Megatron-FSDP the weights the forward gathers live in a buffer of their own, copied
+    from the main-weight shards after each step: copied again from the restored shards."""
+    if not _megatron_fsdp(model_chunks):
+        return
+    for leaf in _leaves(optimizer):
+        copy_over = getattr(leaf, "_copy_main_params_to_model_params", None)
+        if copy_over is not None:
+            copy_over()
 
 
 def snapshot_bytes(model_chunks: list, optimizer: Any) -> int:
