@@ -18,6 +18,7 @@ import torch
 from . import incident_text, moe_routing, naming
 from .decisions import Decision
 from .detectors import CheckContext
+from .collectives import local_shard
 from .incidents import Incident, ParamFinding, finite_or_none, first_of
 
 _BUILT_IN_KINDS = ("nan", "inf", "overflow", "magnitude")
@@ -76,6 +77,55 @@ def local_findings(config: Any, detectors: list, ctx: CheckContext, maxabs: Opti
     return findings
 
 
+HELD_EXTREME = 2.0 ** 100
+"""A weight or optimizer-state value at least this large (about 1.3e30) counts as corrupted with
+NaN and Inf: no weight or Adam moment of a model that trains comes near it (a squared gradient of
+1e15 would), while flipping the top exponent bit of any fp32 or bf16 value above 2^-28 (3.7e-9)
+lands beyond it."""
+
+
+def optimizer_states(optimizer: Any) -> dict[int, Mapping[str, Any]]:
+    """{id(parameter): its optimizer state} over ``optimizer``'s leaves (a megatron-core
+    ChainedOptimizer's, or the optimizer itself) and the torch optimizer each steps with."""
+    states: dict[int, Mapping[str, Any]] = {}
+    for leaf in getattr(optimizer, "chained_optimizers", None) or ([optimizer] if optimizer is not None else []):
+        inner = getattr(leaf, "optimizer", leaf)
+        for param, state in getattr(inner, "state", {}).items():
+            states[id(param)] = state
+    return states
+
+
+def held_findings(entries: list, states: Mapping[int, Mapping[str, Any]], ranks: dict[str, int]) -> list[ParamFinding]:
+    """This rank's parameters whose stepped weight (``entry.main``: the main weight or its shard)
+    or optimizer state tensors (``states``: by ``id`` of the main weight) hold NaN, Inf or a value
+    of :data:`HELD_EXTREME` or more (counted as ``overflow``), each with
+    a reason ``held:<what>`` per tensor (``held:weight``, ``held:exp_avg``...). Slow path only: one
+    read of this rank's optimizer state. Under the distributed optimizer a corrupted shard reaches
+    every replica through the all-gather, so every rank's gradients go non-finite together; the
+    rank holding the corruption is where it entered."""
+    host, device = naming.host(), naming.device_name()
+    found = []
+    for entry in entries:
+        tensors = {"weight": entry.main, **{key: value for key, value in sorted(states.get(id(entry.main), {}).items())
+                                            if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0}}
+        nan = inf = extreme = 0
+        reasons = []
+        for what, tensor in tensors.items():
+            local = local_shard(tensor).detach()
+            if local.numel() == 0:
+                continue
+            bad_nan, bad_inf = int(torch.isnan(local).sum()), int(torch.isinf(local).sum())
+            bad_extreme = int((local.abs() >= HELD_EXTREME).sum()) - bad_inf
+            if bad_nan or bad_inf or bad_extreme:
+                nan, inf, extreme = nan + bad_nan, inf + bad_inf, extreme + bad_extreme
+                reasons.append(f"held:{what}")
+        if reasons:
+            found.append(ParamFinding.located(entry.info, ranks, shape=list(entry.model.shape), nan=nan, inf=inf,
+                                              overflow=extreme, norm=None, host=host, device=device, shard=entry.shard,
+                                              reasons=reasons))
+    return found
+
+
 @dataclass(frozen=True)
 class RankReport:
     """One rank's part of an incident, as it travels to rank 0 (``gather_object`` pickles it, so
@@ -90,6 +140,9 @@ class RankReport:
     """Its own gradients found non-finite before the reduction."""
     origin: bool = False
     """Whether the fault entered on this rank (its own gradients, before the reduction)."""
+    held: tuple[ParamFinding, ...] = ()
+    """Its parameters whose weight the optimizer steps (main weight or its shard) or optimizer state
+    is non-finite on this rank (:func:`held_findings`): a corruption of the state it holds."""
     batch: tuple[int, ...] = ()
     """The dataset indices it fed in the step."""
     injected: tuple[dict, ...] = ()
@@ -110,7 +163,7 @@ class RankReport:
         there, or a router's probabilities went non-finite there. A rank with none of these adds
         nothing to the record, and neither it nor its scene is needed."""
         routing = self.moe_routing or {}
-        return bool(self.findings or self.pre_reduction or self.origin or self.megatron or self.injected
+        return bool(self.findings or self.pre_reduction or self.origin or self.held or self.megatron or self.injected
                     or any(not seen["router_finite"] for seen in routing.values()))
 
 
@@ -123,8 +176,11 @@ def origins_of(everyone: list[RankReport]) -> tuple[list[int], int]:
     check. With EP > 1 the ranks of one expert-parallel group exchange tokens through the
     all-to-all, so one fault reaches all of them in the same step (an expert's NaN poisons the
     other ranks' losses, a NaN in its input gradient goes back to the rank that sent the tokens):
-    there they count once, as their expert-data-parallel rank (:func:`replica_of`)."""
-    origins = sorted(report.rank for report in everyone if report.origin)
+    there they count once, as their expert-data-parallel rank (:func:`replica_of`). Ranks whose own
+    weights or optimizer state went non-finite (:attr:`RankReport.held`) are the origins where there
+    are any: the gradients of every replica that read those weights follow from them."""
+    held = sorted(report.rank for report in everyone if report.held)
+    origins = held or sorted(report.rank for report in everyone if report.origin)
     replica = replica_of(everyone)
     return origins, len({replica.get(r, r) for r in origins})
 
@@ -154,9 +210,13 @@ def _expert_note(finding: ParamFinding) -> str:
 
 
 def describe(kind: str, findings: list[ParamFinding], total_norm: float,
-             origin: Optional[ParamFinding] = None) -> str:
-    """The summary line; ``origin`` (a rank's own finding before the reduction) leads when known."""
+             origin: Optional[ParamFinding] = None, held: bool = False) -> str:
+    """The summary line; ``origin`` (a rank's own finding before the reduction, or with ``held`` a
+    weight or optimizer state a rank holds non-finite) leads when known."""
     what = f"{kind} gradient" if kind in _BUILT_IN_KINDS else kind
+    if held and origin is not None:
+        state = " and ".join(r.split(":", 1)[1] for r in origin.reasons if r.startswith("held:"))
+        what = f"non-finite {state}" if origin.nan or origin.inf else f"{state} beyond 2^100"
     if origin is not None:
         head = (f"{what} first at {origin.name} (layer {origin.layer}{_expert_note(origin)}, rank {origin.ranks['global']}, "
                 f"host {origin.host} {origin.device})")
@@ -195,13 +255,16 @@ def assemble(ctx: CheckContext, everyone: list[RankReport], decision: Decision, 
         extra[cause.kind] = cause.record_field()
     # The origin leads: a fault that entered a rank's own gradient before the reduction is
     # named there (host and device of that rank), not where the reduction carried it.
-    origin = first_of(before)
+    held = [f for report in everyone for f in report.held]
+    origin = first_of(held) or first_of(before)
     message = describe(found_kinds[1] if cause is not None and len(found_kinds) > 1 else kind, found,
-                       ctx.total_norm, origin=origin)
+                       ctx.total_norm, origin=origin, held=bool(held))
     if cause is not None:
         message = f"{cause.why}: {message}"
     if before:
         extra["pre_reduction"] = [f.as_record() for f in before]
+    if held:
+        extra["held_nonfinite"] = [f.as_record() for f in held]
     if checked and sum(1 for f in found if f.nan or f.inf) >= checked:
         extra["all_gradients_nonfinite"] = True
         message += incident_text.ALL_NONFINITE_NOTE
@@ -229,7 +292,9 @@ def _origins_note(everyone: list[RankReport], origins: tuple, seen: list[ParamFi
     dp_of = {report.rank: report.ranks["dp"] for report in everyone}
     reached = {dp_of.get(f.ranks["global"], f.ranks["global"]) for f in seen} | {dp_of.get(r, r) for r in origins}
     extra["replicas_reached"] = len(reached)
-    note = (f"; entered on rank(s) {list(origins)} before the data-parallel reduction, "
+    where = ("held in the weights or optimizer state of rank(s)" if any(report.held for report in everyone)
+             else "entered on rank(s)")
+    note = (f"; {where} {list(origins)} before the data-parallel reduction, "
             f"reached {len(reached)} of {world['dp'] * world['cp']} data-parallel replica(s)")
     if _one_expert_parallel_group(everyone, origins):
         note += ("; those ranks are one expert-parallel group, whose all-to-all carries a fault "

@@ -16,7 +16,7 @@ from . import collectives, naming, scene
 from .check import Verdict
 from .collectives import PeerLost
 from .decisions import Action, Decision
-from .findings import RankReport, local_findings
+from .findings import RankReport, held_findings, local_findings, optimizer_states
 from .incidents import Incident, ParamFinding
 from .protocols import PreReduction
 from .respond import exit_peer_lost
@@ -62,10 +62,11 @@ def rank_report(state: RunState, verdict: Verdict, before: PreReduction,
     pre_reduction = before.named(state.model_chunks) if own_origin else before.findings
     ranks = naming.rank_info(state.seams.parallel_state())
     findings = local_findings(state.config, state.detectors, ctx, verdict.maxabs, verdict.total_over, ranks)
+    held = held_findings(ctx.entries, optimizer_states(state.stage.first_optimizer()), ranks) if ctx.entries else []
     if state.drills.kills(ctx.step, rank):  # drill: this rank is lost in mid-incident
         os.kill(os.getpid(), signal.SIGKILL)
     report = RankReport(
-        ranks=ranks, findings=tuple(findings), pre_reduction=tuple(pre_reduction), origin=own_origin,
+        ranks=ranks, findings=tuple(findings), pre_reduction=tuple(pre_reduction), origin=own_origin, held=tuple(held),
         batch=state.batch.samples, injected=tuple(state.drills.fired_at(ctx.step)),
         megatron=state.rerun.part(ctx.step),  # Megatron's loss check and rerun verdict
         moe_routing=state.routing.share(ctx.step))

@@ -164,6 +164,38 @@ def test_a_checkout_s_pretrain_gpt_rolls_back_in_process_and_equals_its_uninterr
     assert rolled["losses"] == clean["losses"] and len(clean["losses"]) == ITERS
 
 
+def test_with_a_blacklist_the_rollback_equals_a_run_that_skips_those_iterations(tmp_path):
+    """blacklist: always leaves the episode's iterations (5 and 6) out of the redo: the run then
+    equals an uninterrupted one told to skip them (Megatron's --iterations-to-skip 5 6), every rank
+    and iteration outside them, the last one included; its losses too."""
+    skipping = train(tmp_path, "skipping", *DP2_BF16_DISTOPT, "--iterations-to-skip", "5", "6")
+    assert skipping["code"] == 0, skipping["output"][-6000:]
+    always = {"recovery": {**EXACT["recovery"], "blacklist": "always"}}
+    run = train(tmp_path, "blacklisted", *DP2_BF16_DISTOPT, drill=FAULT, config=always)
+    assert run["code"] == 0, run["output"][-6000:]
+    assert run["incidents"][1]["rolled_back_to"] == 2 and run["incidents"][1]["iterations_skipped"] == [5, 6]
+    outside = {rank: {i: d for i, d in lines.items() if i not in (5, 6)} for rank, lines in digests(run).items()}
+    assert outside == digests(skipping) and len(outside[0]) == ITERS - 2
+    assert {i: v for i, v in run["losses"].items() if i not in (5, 6)} == {
+        i: v for i, v in skipping["losses"].items() if i not in (5, 6)}
+
+
+def test_a_weight_one_rank_holds_corrupted_is_named_there_and_rolled_back(tmp_path):
+    """DP2 bf16, distributed optimizer: a NaN in rank 0's shard of fc1's main weights (rank 0 holds
+    it) before the update of iteration 5. The all-gather hands it to both replicas, so both ranks'
+    gradients of iteration 6 are non-finite before the reduction (before: two origins, a critical
+    stop, exit 86); the slow path finds it held on rank 0, the one origin: a skip, then (it
+    lasts) a rollback in process to the snapshot of 4, and the run ends finite."""
+    run = train(tmp_path, "held", *DP2_BF16_DISTOPT, drill=f"nan:step=5,rank=0,phase=param,param={FC1}")
+    assert run["code"] == 0, run["output"][-6000:]
+    found = run["incidents"]
+    assert [(i["step"], i["action"], i["origin_ranks"]) for i in found] == [(6, "skip_step", [0]), (7, "rollback", [0])]
+    first = found[0]["first"]
+    assert (first["name"], first["ranks"]["global"], first["reasons"]) == (FC1, 0, ["held:weight"])
+    assert found[0]["message"].startswith(f"non-finite weight first at {FC1} (layer 1, rank 0")
+    assert found[1]["rolled_back_to"] == 4 and all(line["finite"] for line in run["after"][0].values())
+
+
 RESTART = {"recovery": {**EXACT["recovery"], "mode": "restart"}}
 
 

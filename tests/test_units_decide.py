@@ -77,6 +77,43 @@ def test_two_origins_in_two_replicas_are_a_critical_stop_naming_both():
     assert "entered on rank(s) [1, 2] before the data-parallel reduction, reached 2 of 4" in incident.message
 
 
+def test_a_corruption_one_rank_holds_is_the_origin_though_every_replica_went_non_finite():
+    """Under the distributed optimizer rank 2's NaN in its shard of fc1's weights reaches every
+    replica through the all-gather: the gradients of ranks 1 and 2 are non-finite before the
+    reduction, but rank 2 holds the corruption. One origin: graded as any single fault (a skip
+    first; it lasts, so the next flagged step rolls back), named where it is held."""
+    held = ParamFinding(name=FC1, layer=1, shape=[4, 4], nan=1, inf=0, overflow=0, norm=None, ranks=ranks(2),
+                        host="host2", device="cpu:2", order=12, shard=True, reasons=["held:weight", "held:exp_avg"])
+    reports = [RankReport(ranks=ranks(r), findings=(finding(OUTPUT, 40, r),), origin=True,
+                          pre_reduction=(finding(OUTPUT, 40, r),), held=(held,) if r == 2 else ()) for r in (1, 2)]
+    decision, incident = decide(verdict(), reports, policy(), facts())
+    assert (decision.severity, decision.action, decision.origins) == ("warning", "skip_step", (2,))
+    record = incident.record()
+    assert record["origin_ranks"] == [2] and record["first"]["name"] == FC1 and record["first"]["ranks"]["global"] == 2
+    assert incident.message.startswith(f"non-finite weight and exp_avg first at {FC1} (layer 1, rank 2, host host2")
+    assert "held in the weights or optimizer state of rank(s) [2]" in incident.message
+    assert record["held_nonfinite"][0]["reasons"] == ["held:weight", "held:exp_avg"]
+
+
+def test_the_held_weights_and_state_are_read_tensor_by_tensor():
+    from types import SimpleNamespace
+
+    from megatron_patches.findings import held_findings, optimizer_states
+    from megatron_patches.naming import ParamInfo
+
+    weight, clean = torch.ones(4), torch.ones(3)
+    leaf = SimpleNamespace(optimizer=torch.optim.Adam([weight, clean], lr=0.1))
+    leaf.optimizer.state[weight] = {"step": torch.tensor(3.0), "exp_avg": torch.zeros(4),
+                                    "exp_avg_sq": torch.tensor([1.0, float("inf"), 1.0, 1.0])}
+    weight[2] = float("nan")
+    clean[0] = 2.0 ** 101  # a top exponent bit flipped: finite, and far beyond any trained weight
+    entries = [SimpleNamespace(main=weight, model=weight, info=ParamInfo(FC1, 1, 12, True), shard=True),
+               SimpleNamespace(main=clean, model=clean, info=ParamInfo(OUTPUT, None, 40, True), shard=False)]
+    found, extreme = held_findings(entries, optimizer_states(SimpleNamespace(chained_optimizers=[leaf])), ranks(1))
+    assert (found.name, found.nan, found.inf, found.reasons) == (FC1, 1, 1, ["held:weight", "held:exp_avg_sq"])
+    assert (extreme.name, extreme.nan, extreme.inf, extreme.overflow, extreme.reasons) == (OUTPUT, 0, 0, 1, ["held:weight"])
+
+
 def test_origins_in_one_expert_parallel_group_count_once():
     """EP2 x expert-DP2: ranks 0 and 1 are one EP group; their all-to-all carries one fault to both."""
     layout = {0: (0, 0, 0), 1: (1, 1, 0), 2: (2, 0, 1), 3: (3, 1, 1)}  # rank: (dp, ep, edp)

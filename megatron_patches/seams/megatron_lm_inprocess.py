@@ -314,12 +314,13 @@ def redo(run: InProcessRollback, episode: Episode) -> Episode:
     _, optimizer, scheduler = _state_of(bound)
     entry, started, redone = (args.curr_iteration, args.consumed_train_samples), time.perf_counter(), 0
     left_out = set(episode.outcome.iterations_skipped)
+    faulty = run._result  # what train() gets when the decision's own iteration is left out: its skip
     try:
         for iteration in range(episode.resume_at, episode.step + 1):
+            if iteration in left_out:  # its batches stay unread, as Megatron's --iterations-to-skip leaves them
+                continue
             for tape in run._tapes:
                 tape.replay(iteration)
-            if iteration in left_out:
-                continue
             args.curr_iteration, args.consumed_train_samples = iteration - 1, run._consumed[iteration]
             run.before_step(optimizer, scheduler)
             arguments = dict(bound.arguments)
@@ -335,6 +336,10 @@ def redo(run: InProcessRollback, episode: Episode) -> Episode:
                 run._snapshot(iteration, bound)
     finally:
         args.curr_iteration, args.consumed_train_samples = entry
+        for tape in run._tapes:
+            tape.live()  # train() reads its next iteration from the loader, where it stands
+    if episode.step in left_out:
+        run._result = faulty
     warn0("rolled back in process to the snapshot of iteration %d and redid %d iteration(s) in %.2f s",
           episode.resume_at - 1, redone, time.perf_counter() - started)
     return episode

@@ -46,6 +46,10 @@ class BatchTape:
         """The next reads return what ``iteration`` read, in order."""
         self._pending = deque(self.records.get(iteration, ()))
 
+    def live(self) -> None:
+        """The next reads come from the data loader again (what a replay left unread is dropped)."""
+        self._pending.clear()
+
     def forget_through(self, iteration: int) -> None:
         for old in [i for i in self.records if i <= iteration]:
             del self.records[old]
