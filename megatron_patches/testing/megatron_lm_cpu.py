@@ -198,7 +198,8 @@ def _own_step_per_parameter(original: Callable) -> Callable:
     @functools.wraps(original)
     def wrapper(self, state_dict, *args, **kwargs):
         result = original(self, state_dict, *args, **kwargs)
-        saved_groups = state_dict["optimizer"]["param_groups"]
+        # Megatron-FSDP's fsdp_dtensor checkpoints hand over another layout, with the step elsewhere.
+        saved_groups = (state_dict.get("optimizer") or {}).get("param_groups") or ()
         for group, saved in zip(self.optimizer.param_groups, saved_groups):
             if saved.get("step") is None:
                 continue
