@@ -46,6 +46,10 @@ LAYOUTS = {
     # CPU offload, scaled states of the precision-aware optimizer, DTensor shards of FSDP2, and
     # Megatron-FSDP, whose compute weights are copied again from the restored main shards. Under
     # FSDP the drill lands after the reduce-scatter (no view of a rank's gradient before it).
+    # fp16 with a constant loss scale: a NaN is an overflow incident like any other (with a dynamic
+    # scale it is the scaler's own skip), and the snapshot holds the scaler's state.
+    "fp16_distopt": (("--fp16", "--loss-scale", "128", "--no-check-for-nan-in-loss-and-grad",
+                      "--use-distributed-optimizer"), FAULT),
     "cpu_offload": (OFFLOAD, FAULT),
     "precision_aware_bf16_states": ((*PRECISION_AWARE, *BF16_STATES), FAULT),
     "torch_fsdp2": (VARIANTS["torch_fsdp2"], FAULT.replace("phase=local", "phase=grad")),
@@ -99,7 +103,7 @@ def baseline(uninterrupted):
     return uninterrupted("dp2_bf16_distopt")
 
 
-SLOW = ("pp2_vpp2", "dp2_fp32", "precision_aware_bf16_states")  # make test-all; measured exact like the others
+SLOW = ("pp2_vpp2", "dp2_fp32", "precision_aware_bf16_states", "fp16_distopt")  # make test-all; measured exact like the others
 
 
 @pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name
