@@ -126,7 +126,8 @@ def newest_resumable(root: str) -> Optional[tuple[int, str, bool]]:
     if not found:
         return None
     step, path = found[-1]
-    return step, path, "certified_at" in _marker(path) and _marker(path)["certified_at"] is None
+    marker = _marker(path)
+    return step, path, "certified_at" in marker and marker["certified_at"] is None
 
 
 def _marker(directory: str) -> dict:

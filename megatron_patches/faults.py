@@ -100,18 +100,23 @@ def read_keys(kind: str, values: dict, text: str, phase: str) -> dict:
     return fields
 
 
+def optimizer_states(optimizer: Any) -> dict[int, Mapping[str, Any]]:
+    """{id(parameter): its state} over the torch optimizers ``optimizer`` steps with: each leaf's
+    of a megatron-core ChainedOptimizer (MoE: dense and expert leaves), or its own."""
+    states: dict[int, Mapping[str, Any]] = {}
+    for leaf in getattr(optimizer, "chained_optimizers", None) or ([optimizer] if optimizer is not None else []):
+        for param, state in getattr(leaf.__dict__.get("optimizer", leaf), "state", {}).items():
+            states[id(param)] = state
+    return states
+
+
 def optimizer_state(optimizer: Any, entries: list) -> list[tuple[str, int, Mapping[str, torch.Tensor]]]:
     """(global name, forward order, Adam state) of each of ``entries`` (the monitor's, for one
     optimizer) whose main weight has a state in the optimizer this rank steps (under the
     distributed optimizer, its shard's); empty before the first update creates the state."""
-    leaves = getattr(optimizer, "chained_optimizers", None) or [optimizer]  # MoE: dense and expert leaves
-    states = [getattr(leaf.__dict__.get("optimizer", leaf), "state", {}) for leaf in leaves]
-    found = []
-    for entry in entries:
-        slots = next((s[entry.main] for s in states if entry.main is not None and entry.main in s), None)
-        if slots:
-            found.append((entry.info.name, entry.info.order, slots))
-    return found
+    states = optimizer_states(optimizer)
+    return [(entry.info.name, entry.info.order, states[id(entry.main)]) for entry in entries
+            if entry.main is not None and states.get(id(entry.main))]
 
 
 def _indices(spec: Any, tensor: torch.Tensor, generator: torch.Generator) -> Optional[torch.Tensor]:

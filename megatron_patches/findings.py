@@ -84,17 +84,6 @@ NaN and Inf: no weight or Adam moment of a model that trains comes near it (a sq
 lands beyond it."""
 
 
-def optimizer_states(optimizer: Any) -> dict[int, Mapping[str, Any]]:
-    """{id(parameter): its optimizer state} over ``optimizer``'s leaves (a megatron-core
-    ChainedOptimizer's, or the optimizer itself) and the torch optimizer each steps with."""
-    states: dict[int, Mapping[str, Any]] = {}
-    for leaf in getattr(optimizer, "chained_optimizers", None) or ([optimizer] if optimizer is not None else []):
-        inner = getattr(leaf, "optimizer", leaf)
-        for param, state in getattr(inner, "state", {}).items():
-            states[id(param)] = state
-    return states
-
-
 def held_findings(entries: list, states: Mapping[int, Mapping[str, Any]], ranks: dict[str, int]) -> list[ParamFinding]:
     """This rank's parameters whose stepped weight (``entry.main``: the main weight or its shard)
     or optimizer state tensors (``states``: by ``id`` of the main weight) hold NaN, Inf or a value

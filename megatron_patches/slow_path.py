@@ -16,7 +16,8 @@ from . import collectives, naming, scene
 from .check import Verdict
 from .collectives import PeerLost
 from .decisions import Action, Decision
-from .findings import RankReport, held_findings, local_findings, optimizer_states
+from .faults import optimizer_states
+from .findings import RankReport, held_findings, local_findings
 from .incidents import Incident, ParamFinding
 from .protocols import PreReduction
 from .respond import exit_peer_lost

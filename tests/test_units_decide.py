@@ -98,7 +98,8 @@ def test_a_corruption_one_rank_holds_is_the_origin_though_every_replica_went_non
 def test_the_held_weights_and_state_are_read_tensor_by_tensor():
     from types import SimpleNamespace
 
-    from megatron_patches.findings import held_findings, optimizer_states
+    from megatron_patches.faults import optimizer_states
+    from megatron_patches.findings import held_findings
     from megatron_patches.naming import ParamInfo
 
     weight, clean = torch.ones(4), torch.ones(3)
