@@ -17,7 +17,6 @@ import shutil
 
 import pytest
 
-from conftest import run_packaged_loop
 from megatron_patches.seams import megatron_lm_inprocess, megatron_lm_state
 from megatron_patches.testing import step_probe
 from test_megatron_lm import FC1, TINY, Loop, _packaged_loop_available, guard_env, incidents, iterations, patched_copy
@@ -62,16 +61,18 @@ REDONE = re.compile(r"\[megatron_patches\] redone iteration\s+(\d+)/\s*\d+ \| lm
 
 
 def train(tmp_path, name: str, *flags: str, drill: str | None = None, config: dict = EXACT, iters: int = ITERS,
-          save_interval: int = 100, earlier: tuple[str, ...] = ()) -> dict:
+          save_interval: int = 100, earlier: tuple[str, ...] = (), loop: Loop = Loop(None)) -> dict:
     """One run of ``iters`` iterations on 2 ranks: its exit code, output, probe lines and records.
     ``earlier``: the output of launches before this one into the same directory (a restart's
-    first job), whose logged losses this run's own override."""
+    first job), whose logged losses this run's own override; ``loop``: the packaged loop (its
+    ranks forked from here) or a checkout's ``pretrain_gpt.py`` (under torchrun)."""
     where = tmp_path / name
     where.mkdir(exist_ok=True)
     env = {**guard_env(where, inject=[drill] if drill else [], **config), step_probe.ENV: str(where / "probe")}
     ckpt = where / "ckpt"
-    code, output = run_packaged_loop(env, [*TINY, "--train-iters", str(iters), "--save", str(ckpt), "--load", str(ckpt),
-                                           "--save-interval", str(save_interval), *flags])
+    proc = loop.run(env, "--train-iters", str(iters), "--save", str(ckpt), "--load", str(ckpt),
+                    "--save-interval", str(save_interval), *flags)
+    code, output = proc.returncode, proc.stdout + proc.stderr
     probes = step_probe.read(where / "probe")
     last = {rank: {line["iteration"]: line for line in lines} for rank, lines in probes.items()}  # a redo's line wins
     losses = {i: m.group(1) for out in (*earlier, output) for i, line in iterations(out).items()
@@ -146,21 +147,10 @@ def test_a_checkout_s_pretrain_gpt_rolls_back_in_process_and_equals_its_uninterr
     back in process to the snapshot of 2, and every rank's weights, optimizer state and logged
     loss after every iteration equal the checkout's uninterrupted run."""
     loop = Loop(patched_copy(megatron_lm_dir, tmp_path, None))
-
-    def run(name: str, drill: str | None) -> dict:
-        where = tmp_path / name
-        where.mkdir()
-        env = {**guard_env(where, inject=[drill] if drill else [], **EXACT), step_probe.ENV: str(where / "probe")}
-        proc = loop.run(env, "--train-iters", str(ITERS), "--save", str(where / "ckpt"), "--load", str(where / "ckpt"),
-                        "--save-interval", "100", *DP2_BF16_DISTOPT, *loop.checkpoint_format())
-        output = proc.stdout + proc.stderr
-        assert proc.returncode == 0, output[-6000:]
-        last = {rank: {line["iteration"]: line for line in lines} for rank, lines in step_probe.read(where / "probe").items()}
-        losses = {i: m.group(1) for i, line in iterations(output).items() if (m := re.search(r"lm loss: ([^ |]+)", line))}
-        losses.update({int(i): loss for i, loss in REDONE.findall(output)})
-        return {"output": output, "after": last, "losses": losses, "incidents": incidents(where)}
-
-    clean, rolled = run("clean", None), run("rolled", FAULT)
+    flags = (*DP2_BF16_DISTOPT, *loop.checkpoint_format())
+    clean, rolled = train(tmp_path, "clean", *flags, loop=loop), train(tmp_path, "rolled", *flags, drill=FAULT, loop=loop)
+    for run in (clean, rolled):
+        assert run["code"] == 0, run["output"][-6000:]
     assert [(i["step"], i["action"], i.get("rolled_back_to")) for i in rolled["incidents"]] == [
         (5, "skip_step", None), (6, "rollback", 2)]
     assert "rolled back in process to the snapshot of iteration 2" in rolled["output"]
