@@ -31,6 +31,10 @@ class Callback:
         of a replay it runs after the step (``monitor.resolve``)."""
         return False
 
+    def after_rollback(self, rollbacks: int) -> None:
+        """After an in-process rollback put back a certified state, on every rank: what the run
+        did since that state is undone (``rollbacks``: the job's count so far)."""
+
     def before_exit(self, decision: "Decision") -> None:
         """Before the guard ends the process for ``decision``, on every rank: finish what must
         outlive it (pending checkpoint saves). The exit code is not this callback's to change."""

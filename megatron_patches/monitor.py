@@ -318,6 +318,7 @@ class GradMonitor:
         self.state.rollbacks = rollbacks
         self.state.responder.policy.reset()
         self.state.drills.spend_started()
+        self._tell("after_rollback", rollbacks)
 
     def exit(self, decision: Decision) -> NoReturn:
         """Stop this rank cleanly for ``decision``: flush scenes and alerts, then exit with its

@@ -181,9 +181,10 @@ def record_rollback(run: "InProcessRecovery", episode: Episode) -> Episode:
     run.episode_samples = []
     target = "in-memory snapshot" if outcome.checkpoint == IN_MEMORY else f"healthy checkpoint {outcome.checkpoint}"
     left_out = f", iterations {list(outcome.iterations_skipped)} skipped" if outcome.iterations_skipped else ""
-    log.warning("rolled back from step %d to %s (step %d); lr scale %.3g; %d samples blacklisted%s; "
-                "rollback %d of %d", episode.step, target, outcome.rolled_back_to, ledger.lr_scale,
-                len(outcome.blacklisted), left_out, ledger.rollbacks, run.config.max_rollbacks)
+    if run.monitor.rank == 0:  # the blacklist is rank 0's (it gathers the episode's samples)
+        log.warning("rolled back from step %d to %s (step %d); lr scale %.3g; %d samples blacklisted%s; "
+                    "rollback %d of %d", episode.step, target, outcome.rolled_back_to, ledger.lr_scale,
+                    len(outcome.blacklisted), left_out, ledger.rollbacks, run.config.max_rollbacks)
     return episode
 
 

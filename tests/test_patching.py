@@ -41,6 +41,41 @@ def test_install_twice_adds_nothing_and_uninstall_restores(clean_patches, caplog
     assert {t.dotted: _current(t) for t in TARGETS} == originals
 
 
+def test_a_lazy_target_is_wrapped_when_its_module_is_imported_and_never_imported_by_the_install(
+        clean_patches, tmp_path, monkeypatch):
+    """Megatron-Bridge's targets: the install imports none of their modules (Bridge takes ~20 s and needs
+    packages a Megatron-LM job lacks); a module imported after the install is wrapped as it finishes
+    executing, one imported before is wrapped at once; uninstall restores both."""
+    import sys
+
+    from megatron_patches.seams.targets import PatchTarget
+
+    for name in ("lazy_after", "lazy_before"):
+        (tmp_path / f"{name}.py").write_text("def train_step(x):\n    return x + 1\n\ndef caller(x):\n"
+                                             "    return train_step(x)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import lazy_before
+
+    targets = tuple(PatchTarget(name, "train_step", "megatron_patches.seams.wrappers.get_optimizer_wrapper",
+                                "test", required=False, lazy=True) for name in ("lazy_after", "lazy_before"))
+    monkeypatch.setattr(patching, "BRIDGE_TARGETS", targets)
+    try:
+        done = patching.install()
+        assert "lazy_after" not in sys.modules and not any("lazy" in d for d in done)
+        assert isinstance(lazy_before.train_step, wrapt.FunctionWrapper)  # imported before: wrapped now
+        import lazy_after
+
+        assert isinstance(lazy_after.train_step, wrapt.FunctionWrapper)
+        assert {"lazy_after.train_step", "lazy_before.train_step"} <= set(patching.installed_targets())
+        patching.uninstall()
+        assert not isinstance(lazy_after.train_step, wrapt.FunctionWrapper)
+        assert not isinstance(lazy_before.train_step, wrapt.FunctionWrapper)
+        assert not any(isinstance(f, patching._AfterImport) for f in sys.meta_path)
+    finally:
+        for name in ("lazy_after", "lazy_before"):
+            sys.modules.pop(name, None)
+
+
 def test_reexported_name_is_wrapped_too(clean_patches):
     import megatron.core.distributed as dist_pkg
 

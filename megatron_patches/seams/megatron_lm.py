@@ -205,6 +205,9 @@ class MegatronLMSession(Callback):
         finished and marked."""
         self.marks.finalize(decision)
 
+    def after_rollback(self, rollbacks: int) -> None:
+        self.marks.after_rollback()
+
     def after_check(self, step: int, flagged: bool) -> None:
         """Rank 0: the saves waiting for certification hear each checked step's verdict."""
         self.marks.after_check(step, flagged)
@@ -241,17 +244,25 @@ def _refuse_unsupported(args: Any) -> None:
 
 
 def _sample_positions(args: Any) -> list:
-    """Positions in the training dataset this rank reads this iteration. Known only for
-    ``--dataloader-type single`` (Megatron's sequential sampler): global batch ``consumed ..
-    consumed + global batch - 1``, each micro-batch split across data-parallel ranks."""
-    if getattr(args, "dataloader_type", "single") != "single" or getattr(args, "perform_rl_step", False):
+    """Positions in the training dataset this rank reads this iteration (Megatron-LM's args)."""
+    if getattr(args, "perform_rl_step", False):
+        return []
+    return sample_positions(getattr(args, "dataloader_type", "single"), int(args.micro_batch_size),
+                            int(args.consumed_train_samples))
+
+
+def sample_positions(dataloader_type: Optional[str], micro_batch_size: int, consumed: int) -> list:
+    """Positions in the training dataset this rank reads this iteration. Known only for the
+    ``single`` data loader (Megatron's sequential sampler, also Megatron-Bridge's): global batch
+    ``consumed .. consumed + global batch - 1``, each micro-batch split across data-parallel ranks."""
+    if dataloader_type != "single":
         return []
     from megatron.core import parallel_state as ps
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    mbs, start = int(args.micro_batch_size), int(args.consumed_train_samples)
-    return [start + m * mbs * dp + dp_rank * mbs + j for m in range(get_num_microbatches()) for j in range(mbs)]
+    return [consumed + m * micro_batch_size * dp + dp_rank * micro_batch_size + j
+            for m in range(get_num_microbatches()) for j in range(micro_batch_size)]
 
 
 def session(monitor: Guard) -> MegatronLMSession:

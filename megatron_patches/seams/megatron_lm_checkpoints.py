@@ -109,7 +109,8 @@ def saved_lr_scale(root: str, iteration: int) -> float:
 
 
 class CheckpointMarks:
-    """The markers and guard-state files of one Megatron-LM process's saves."""
+    """The markers and guard-state files of one Megatron-LM process's saves. A loop with another
+    home for its arguments (Megatron-Bridge's) overrides the four methods that read them."""
 
     def __init__(self, monitor: Guard):
         self.monitor = monitor
@@ -119,19 +120,45 @@ class CheckpointMarks:
         self._awaiting: list[dict] = []
         """Rank 0: healthy saves not certified yet (the same entries, with ``clean`` and ``marked``)."""
 
-    def after_save(self, iteration: int, model: Any, non_persistent: bool, lr_scale: float) -> None:
-        """Megatron's ``save_checkpoint`` returned: this rank's state file, and (rank 0) the
-        marker, now or once the async save is finalized."""
+    # -- what the loop says about its saves (Megatron-LM's args here) --------------------------------
+
+    def save_root(self) -> Optional[str]:
+        """Where the loop saves its checkpoints (None: it saves none)."""
         from megatron.training import get_args
 
-        args = get_args()
-        if args.save is None or non_persistent:
+        return get_args().save
+
+    def async_save(self) -> bool:
+        """Whether the loop's saves finish in the background."""
+        from megatron.training import get_args
+
+        return bool(getattr(get_args(), "async_save", False))
+
+    def async_saves_finalized(self) -> bool:
+        """True when no async checkpoint save of this process is still unfinalized."""
+        return _async_saves_finalized()
+
+    def finish_async_saves(self) -> None:
+        """Block until this process's async saves are finalized (every rank takes part)."""
+        try:
+            from megatron.training.async_utils import maybe_finalize_async_save
+        except ImportError:
+            from megatron.training.training import maybe_finalize_async_save
+        maybe_finalize_async_save(blocking=True)
+
+    # -- the markers -----------------------------------------------------------------------------------
+
+    def after_save(self, iteration: int, model: Any, non_persistent: bool, lr_scale: float) -> None:
+        """The loop's ``save_checkpoint`` returned: this rank's state file, and (rank 0) the
+        marker, now or once the async save is finalized."""
+        root = self.save_root()
+        if root is None or non_persistent:
             return
         incidents = self.monitor.counters["incidents"]
         healthy = incidents == self._incidents_at_save and checkpoint.params_finite(model)
         rerun = _rerun_checkpoint()
         self._incidents_at_save = incidents
-        directory = checkpoint.checkpoint_dir(args.save, int(iteration))
+        directory = checkpoint.checkpoint_dir(root, int(iteration))
         self._save_state(directory)
         if collectives.rank() != 0 or not os.path.isdir(directory):
             return
@@ -142,7 +169,7 @@ class CheckpointMarks:
         self._pending.append(entry)
         if healthy:
             self._awaiting.append(entry)
-        if getattr(args, "async_save", False) and not _async_saves_finalized():
+        if self.async_save() and not self.async_saves_finalized():
             log.info("checkpoint iteration %d: marked once its async save is finalized", iteration)
             if len(self._pending) == 1:
                 atexit.register(self.write_finalized)
@@ -150,7 +177,7 @@ class CheckpointMarks:
 
     def write_finalized(self) -> None:
         """The markers of saves now complete (all, unless an async save is still pending)."""
-        if not self._pending or not _async_saves_finalized():
+        if not self._pending or not self.async_saves_finalized():
             return
         for entry in self._pending:
             if self._write(entry):
@@ -173,12 +200,15 @@ class CheckpointMarks:
                 entry["fields"]["certified_at"] = step
                 self._settle(entry, None)
 
+    def after_rollback(self) -> None:
+        """An in-process rollback undid the incidents since the last save: they no longer make
+        the next one unhealthy."""
+        self._incidents_at_save = self.monitor.counters["incidents"]
+
     def disqualify_since(self, since: int, found_at: int) -> None:
         """Rank 0: a replica found diverged at ``found_at`` may date from ``since``: no checkpoint
         saved at or after it is a target (markers already certified are rewritten too)."""
-        from megatron.training import get_args
-
-        root = get_args().save
+        root = self.save_root()
         # Those still awaiting certification (a target only once certified, so not listed as one) and
         # the certified targets on disk.
         suspect = {e["iteration"]: e for e in self._awaiting if e["iteration"] >= since}
@@ -213,14 +243,8 @@ class CheckpointMarks:
     def finalize(self, decision: Any = None) -> None:
         """Before any exit of the guard: finish pending async saves (every rank takes part, as
         every rank reaches the exit from the same decision), then mark them."""
-        from megatron.training import get_args
-
-        if getattr(get_args(), "async_save", False):
-            try:
-                from megatron.training.async_utils import maybe_finalize_async_save
-            except ImportError:
-                from megatron.training.training import maybe_finalize_async_save
-            maybe_finalize_async_save(blocking=True)
+        if self.async_save():
+            self.finish_async_saves()
         self.write_finalized()
 
     def after_load(self, root: Optional[str], iteration: int) -> None:

@@ -51,6 +51,37 @@ log = logging.getLogger("megatron_patches")
 IN_PLACE_FEATURES = ("dropout",)
 """Safe-mode features switched off in the live model; any other one needs a rebuilt model (restart)."""
 
+# --- the loop's counters ---------------------------------------------------------------------------
+
+
+class LoopCounters:
+    """Where a loop keeps the counters a redo moves back and restores, and the names of its
+    ``train_step``'s arguments: Megatron-LM's (its args) here; Megatron-Bridge's loop subclasses it
+    (:mod:`.megatron_bridge`), the protocol is the same."""
+
+    scheduler_argument = "opt_param_scheduler"
+    """The name of ``train_step``'s learning-rate scheduler argument."""
+
+    def get(self) -> tuple[int, int]:
+        """(iterations done before the one running, consumed training samples)."""
+        from megatron.training import get_args
+
+        args = get_args()
+        return int(args.curr_iteration), int(args.consumed_train_samples)
+
+    def set(self, done: int, consumed: int) -> None:
+        from megatron.training import get_args
+
+        args = get_args()
+        args.curr_iteration, args.consumed_train_samples = done, consumed
+
+    def total(self) -> int:
+        """The iterations the run trains (for the redo's log lines)."""
+        from megatron.training import get_args
+
+        return int(get_args().train_iters)
+
+
 # --- the executor ----------------------------------------------------------------------------------
 
 
@@ -62,12 +93,14 @@ class InProcessRollback(Callback):
     in_process = True
     replays = False
 
-    def __init__(self, monitor: Guard, rollback: Rollback, before_step: Callable[[Any, Any], None]):
+    def __init__(self, monitor: Guard, rollback: Rollback, before_step: Callable[[Any, Any], None],
+                 counters: Optional[LoopCounters] = None):
         """``rollback``: the ledger's side of this process (its exit-and-restart executor, and the
         episode's iterations and samples it collects); ``before_step(optimizer, scheduler)``: what the
         loop integration does before each ``train_step`` (tell the guard the iteration and batch),
-        run again for each redone one."""
+        run again for each redone one; ``counters``: the loop's (Megatron-LM's by default)."""
         self.monitor = monitor
+        self.counters = counters or LoopCounters()
         self.rollback = rollback
         self.restart = rollback.restart
         self.before_step = before_step
@@ -169,7 +202,7 @@ class InProcessRollback(Callback):
     def _snapshot(self, iteration: int, bound: inspect.BoundArguments) -> None:
         if not self.store.due(iteration):
             return
-        model, optimizer, scheduler = _state_of(bound)
+        model, optimizer, scheduler = self.state_of(bound)
         first = not self.store.snapshots and not self.store.skipped
         taken = self.store.take(iteration, live_tensors(model, optimizer),
                                 small_values(optimizer, scheduler, self.monitor, self.ledger.lr_scale))
@@ -185,6 +218,11 @@ class InProcessRollback(Callback):
             tape.forget_through(oldest)
         for old in [i for i in self._consumed if i <= oldest]:
             del self._consumed[old]
+
+    def state_of(self, bound: inspect.BoundArguments) -> tuple:
+        """(model, optimizer, scheduler) of a ``train_step`` call."""
+        arguments = bound.arguments
+        return arguments["model"], arguments["optimizer"], arguments[self.counters.scheduler_argument]
 
     def fall_back(self, decision: Decision, why: str) -> NoReturn:
         """This rollback by a restart instead (exit 84, the ledger's request), after one line."""
@@ -203,7 +241,7 @@ class LiveLoop:
         """The param groups' and the scheduler's bounds times ``scale`` / the scale they carry."""
         factor = scale / self.run.applied_scale
         if factor != 1.0:
-            _, optimizer, scheduler = _state_of(self.run._call[1])
+            _, optimizer, scheduler = self.run.state_of(self.run._call[1])
             for name in ("init_lr", "max_lr", "min_lr"):
                 if getattr(scheduler, name, None) is not None:
                     setattr(scheduler, name, getattr(scheduler, name) * factor)
@@ -220,13 +258,8 @@ class LiveLoop:
 
     def disable_feature(self, name: str) -> None:
         """Dropout off in the live model (the only feature that changes in place, checked first)."""
-        model, _, _ = _state_of(self.run._call[1])
+        model, _, _ = self.run.state_of(self.run._call[1])
         safe_mode.dropout_off(module for chunk in model for module in chunk.modules())
-
-
-def _state_of(bound: inspect.BoundArguments) -> tuple:
-    arguments = bound.arguments
-    return arguments["model"], arguments["optimizer"], arguments["opt_param_scheduler"]
 
 
 def _skipped(result: Any) -> bool:
@@ -289,7 +322,7 @@ def restore_snapshot(run: InProcessRollback, episode: Episode) -> Episode:
         return episode
     target = episode.resume_at - 1
     snapshot = run.store.get(target)
-    model, optimizer, scheduler = _state_of(run._call[1])
+    model, optimizer, scheduler = run.state_of(run._call[1])
     try:
         snapshots.restore(snapshot, live_tensors(model, optimizer))
     except RuntimeError as error:  # the state's layout changed since the snapshot: nothing was copied
@@ -308,11 +341,9 @@ def redo(run: InProcessRollback, episode: Episode) -> Episode:
     is made by a restart."""
     if not episode.rolls_back:
         return episode
-    from megatron.training import get_args
-
-    args, (wrapped, bound) = get_args(), run._call
-    _, optimizer, scheduler = _state_of(bound)
-    entry, started, redone = (args.curr_iteration, args.consumed_train_samples), time.perf_counter(), 0
+    counters, (wrapped, bound) = run.counters, run._call
+    _, optimizer, scheduler = run.state_of(bound)
+    entry, started, redone = counters.get(), time.perf_counter(), 0
     left_out = set(episode.outcome.iterations_skipped)
     faulty = run._result  # what train() gets when the decision's own iteration is left out: its skip
     try:
@@ -321,21 +352,21 @@ def redo(run: InProcessRollback, episode: Episode) -> Episode:
                 continue
             for tape in run._tapes:
                 tape.replay(iteration)
-            args.curr_iteration, args.consumed_train_samples = iteration - 1, run._consumed[iteration]
+            counters.set(iteration - 1, run._consumed[iteration])
             run.before_step(optimizer, scheduler)
             arguments = dict(bound.arguments)
             if "iteration" in arguments:
                 arguments["iteration"] = iteration - 1
             run._result = wrapped(**arguments)
             redone += 1
-            _log_redone(iteration, args.train_iters, run._result)
+            _log_redone(iteration, counters.total(), run._result)
             again = run.monitor.take_decision()
             if again is not None and again.ends_run:
                 run.fall_back(again, f"iteration {iteration} of the redo after the rollback was {again.action} too")
             if not _skipped(run._result):
                 run._snapshot(iteration, bound)
     finally:
-        args.curr_iteration, args.consumed_train_samples = entry
+        counters.set(*entry)
         for tape in run._tapes:
             tape.live()  # train() reads its next iteration from the loader, where it stands
     if episode.step in left_out:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.abc
+import importlib.machinery
 import logging
 import sys
 from dataclasses import dataclass
@@ -29,7 +31,7 @@ from ..errors import UnsupportedVersionError
 from . import mindspeed, start_line
 from .marks import _our_wrapper, already_hooked
 from .parallel import megatron_core_version
-from .targets import MEGATRON_CORE_SUPPORTED, TARGETS, TRAINING_TARGETS, PatchTarget
+from .targets import BRIDGE_TARGETS, MEGATRON_CORE_SUPPORTED, TARGETS, TRAINING_TARGETS, PatchTarget
 
 log = logging.getLogger("megatron_patches")
 
@@ -169,39 +171,17 @@ def install(version: Optional[str] = None, say_now: bool = True) -> list[str]:
     for target in TARGETS + TRAINING_TARGETS:
         check_version(target.versions, version)
         try:
-            owner, name = _resolve(target.module, target.qualname)
+            wrapped = _install_target(target, version)
         except ImportError as exc:
             if target.required:
                 raise
             log.debug("%s skipped: %s is not importable here (%s)", target.dotted, target.module, exc)
             absent.append(target.module)
             continue
-        original = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name)
-        if original is None:
-            log.warning("%s not found in megatron-core %s; nothing patched there",
-                        target.dotted, version)
-            continue
-        raw = original.__func__ if isinstance(original, (staticmethod, classmethod)) else original
-        leftover = _our_wrapper(raw)
-        if leftover is not None:  # ours from an earlier install, put back by another patcher
-            original = leftover.__wrapped__
-        elif already_hooked(raw):
-            log.info("%s already calls the hooks (source patch); left as is", target.dotted)
-            continue
-        wrapped = _wrap(target, owner, name, original)
-        for alias in target.aliases:
-            try:
-                mod = importlib.import_module(alias)
-            except ImportError:
-                log.debug("%s: alias %s not importable; skipped", target.dotted, alias)
-                continue
-            # Importing the alias just now may already have bound the wrapper: record it as ours.
-            if getattr(mod, name, None) in (original, wrapped):
-                setattr(mod, name, wrapped)
-                _installed.append(_Installed(target, mod, name, original, wrapped))
-        _bind_copies(target, original, wrapped)
-        log.debug("patched %s (%s)", target.dotted, target.why)
-        done.append(target.dotted)
+        if wrapped:
+            done.append(target.dotted)
+    for target in BRIDGE_TARGETS:
+        _after_import(target.module, lambda target=target: _install_lazy(target, version))
     if done:
         packages = sorted({module.rsplit(".", 1)[0] for module in absent})
         start_line.hold(f"guarding megatron-core {version}: {len(done)} targets wrapped"
@@ -212,8 +192,97 @@ def install(version: Optional[str] = None, say_now: bool = True) -> list[str]:
     return done
 
 
+def _install_target(target: PatchTarget, version: str) -> bool:
+    """Wrap one target (and its aliases); False where it is already hooked or absent."""
+    owner, name = _resolve(target.module, target.qualname)
+    original = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name)
+    if original is None:
+        log.warning("%s not found in megatron-core %s; nothing patched there", target.dotted, version)
+        return False
+    raw = original.__func__ if isinstance(original, (staticmethod, classmethod)) else original
+    if any(item.wrapper is raw for item in _installed):  # bound by name from a module wrapped before
+        return False
+    leftover = _our_wrapper(raw)
+    if leftover is not None:  # ours from an earlier install, put back by another patcher
+        original = leftover.__wrapped__
+    elif already_hooked(raw):
+        log.info("%s already calls the hooks (source patch); left as is", target.dotted)
+        return False
+    wrapped = _wrap(target, owner, name, original)
+    for alias in target.aliases:
+        try:
+            mod = importlib.import_module(alias)
+        except ImportError:
+            log.debug("%s: alias %s not importable; skipped", target.dotted, alias)
+            continue
+        # Importing the alias just now may already have bound the wrapper: record it as ours.
+        if getattr(mod, name, None) in (original, wrapped):
+            setattr(mod, name, wrapped)
+            _installed.append(_Installed(target, mod, name, original, wrapped))
+    _bind_copies(target, original, wrapped)
+    log.debug("patched %s (%s)", target.dotted, target.why)
+    return True
+
+
+def _install_lazy(target: PatchTarget, version: str) -> None:
+    """A lazy target, once its module is imported (a failure is said and the run goes on unwrapped there)."""
+    try:
+        _install_target(target, version)
+    except (ImportError, AttributeError) as exc:
+        log.warning("%s not wrapped (%s): this loop's %s runs unguarded", target.dotted, exc, target.qualname)
+
+
+class _ThenLoader(importlib.abc.Loader):
+    """A module's own loader, then the callbacks waiting for that module."""
+
+    def __init__(self, loader: Any, callbacks: list) -> None:
+        self._loader, self._callbacks = loader, callbacks
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_code, is_package, ...
+        return getattr(self._loader, name)
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        for callback in self._callbacks:
+            callback()
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs callbacks right after a named module is executed, never importing it itself."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, list] = {}
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        callbacks = self.waiting.pop(fullname, None)
+        if callbacks is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _ThenLoader(spec.loader, callbacks)
+        return spec
+
+
+def _after_import(module: str, callback: Any) -> None:
+    """``callback()`` now if ``module`` is imported, else once it is."""
+    if module in sys.modules:
+        callback()
+        return
+    finder = next((f for f in sys.meta_path if isinstance(f, _AfterImport)), None)
+    if finder is None:
+        finder = _AfterImport()
+        sys.meta_path.insert(0, finder)
+    finder.waiting.setdefault(module, []).append(callback)
+
+
 def uninstall() -> None:
     """Restore every original that is still wrapped by us (bound through getattr or not)."""
+    for finder in [f for f in sys.meta_path if isinstance(f, _AfterImport)]:
+        sys.meta_path.remove(finder)
     while _unwatch:
         _unwatch.pop()()
     while _installed:

@@ -36,6 +36,10 @@ class PatchTarget:
     required: bool = True
     """False: skipped with an info log when the module cannot be imported. Megatron-LM's
     ``megatron.training`` exists only in a checkout, never in the megatron-core package."""
+    lazy: bool = False
+    """True: never imported by the install; wrapped once something else imports the module (at
+    once if it already is). Megatron-Bridge takes about 20 s to import and pulls in packages a
+    Megatron-LM job does not have; only a Bridge job imports it."""
 
     @property
     def dotted(self) -> str:
@@ -217,3 +221,43 @@ TRAINING_TARGETS: tuple[PatchTarget, ...] = (
     ),
 )
 """Targets in Megatron-LM's training package (a checkout only; skipped where it is absent)."""
+
+
+_BRIDGE_TRAIN = "megatron.bridge.training"
+
+BRIDGE_TARGETS: tuple[PatchTarget, ...] = (
+    PatchTarget(
+        f"{_BRIDGE_TRAIN}.optim",
+        "get_megatron_optimizer",
+        "megatron_patches.seams.wrappers.get_optimizer_wrapper",
+        "Megatron-Bridge's optim.py binds megatron-core's get_megatron_optimizer by name when imported: "
+        "a Bridge module imported before megatron_patches.apply keeps the unwrapped one, and the guard "
+        "would learn no parameter names.",
+        required=False, lazy=True,
+    ),
+    PatchTarget(
+        f"{_BRIDGE_TRAIN}.train",
+        "train_step",
+        "megatron_patches.seams.megatron_bridge.train_step_wrapper",
+        "Megatron-Bridge's loop runs one train_step per iteration: incidents get its iteration number "
+        "and batch position; the ledger's learning rate goes back on after the checkpoint load.",
+        required=False, lazy=True,
+    ),
+    PatchTarget(
+        f"{_BRIDGE_TRAIN}.checkpointing",
+        "load_checkpoint",
+        "megatron_patches.seams.megatron_bridge.load_checkpoint_wrapper",
+        "Megatron-Bridge loads its checkpoint once, after the optimizer and scheduler are built: a "
+        "rollback restart points it at the newest certified checkpoint and scales the learning rate here.",
+        required=False, lazy=True,
+    ),
+    PatchTarget(
+        f"{_BRIDGE_TRAIN}.checkpointing",
+        "save_checkpoint",
+        "megatron_patches.seams.megatron_bridge.save_checkpoint_wrapper",
+        "Marks each Megatron-Bridge checkpoint healthy or not (megatron_patches.json in iter_N/), as "
+        "for Megatron-LM, so a rollback restarts from the newest certified one.",
+        required=False, lazy=True,
+    ),
+)
+"""Targets in Megatron-Bridge's training package, wrapped when a Bridge job imports it."""

@@ -13,9 +13,11 @@ then ``import megatron_patches.apply`` as a Bridge user's script would have it, 
 names), then Bridge's CUDA redirects. ``--no-guard`` leaves the import out: the unguarded run a guarded
 one is compared with.
 
-Rank 0 writes ``DIR/steps.jsonl`` (one line per iteration, numbered as Bridge's log, from a Bridge ``Callback``: the exact loss
-and learning rate as ``float.hex``, the grad norm, whether Bridge skipped it) and ``DIR/weights.json``
-(a SHA-256 of its parameters at the end), so two runs can be compared bit for bit.
+The last rank writes ``DIR/steps.jsonl`` (one line per iteration, numbered as Bridge's log, from a
+Bridge ``Callback``: the exact loss and learning rate as ``float.hex``, the grad norm, whether Bridge
+skipped it); each rank a SHA-256 of its parameters at the end (``DIR/weights.json`` on rank 0,
+``weights_rank1.json`` beside it), so two runs can be compared bit for bit. ``--layout`` splits the
+two ranks as :data:`LAYOUTS` lists (DP2 by default).
 """
 
 from __future__ import annotations
@@ -40,7 +42,29 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(WITHOUT_GUARD, action="store_true", help="leave `import megatron_patches.apply` out")
     parser.add_argument("--filter-warnings", action="store_true",
                         help="Bridge's default LoggerConfig.filter_warnings=True (hides the guard's warning lines)")
+    parser.add_argument("--guard-after-bridge", action="store_true",
+                        help="put `import megatron_patches.apply` after Bridge's own imports instead of before")
+    parser.add_argument("--iterations-to-skip", type=int, nargs="*", default=[],
+                        help="Bridge's train.iterations_to_skip (as logged): the run a blacklisting rollback equals")
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="dp2",
+                        help="how the two ranks split the model: "
+                        + "; ".join(f"{name}: {what}" for name, (what, _, _) in LAYOUTS.items()))
     return parser.parse_args(argv)
+
+
+LAYOUTS = {
+    "dp2": ("two data-parallel replicas, fp32, no distributed optimizer", {}, {}),
+    "dp2-bf16-distopt": ("two replicas, bf16 with the distributed optimizer",
+                         {"bf16": True, "params_dtype": "bfloat16"}, {"bf16": True, "use_distributed_optimizer": True}),
+    "tp2": ("tensor parallel over both ranks, sequence parallel on", {"tensor_model_parallel_size": 2,
+                                                                     "sequence_parallel": True}, {}),
+    "pp2": ("one layer per pipeline stage", {"pipeline_model_parallel_size": 2}, {}),
+    "ep2": ("MoE, 4 experts, expert parallel over both ranks (two replicas of the dense part)",
+            {"num_moe_experts": 4, "expert_model_parallel_size": 2, "moe_router_topk": 2,
+             "moe_grouped_gemm": False, "moe_token_dispatcher_type": "alltoall", "moe_aux_loss_coeff": 0.01},
+            {}),
+}
+"""``--layout``: (what it is, GPTModelProvider fields, OptimizerConfig fields)."""
 
 
 def tiny_gpt_config(args: argparse.Namespace) -> Any:
@@ -52,23 +76,30 @@ def tiny_gpt_config(args: argparse.Namespace) -> Any:
                                                  OptimizerConfig, RNGConfig, SchedulerConfig, TokenizerConfig,
                                                  TrainingConfig, ValidationConfig)
 
+    _, model_fields, optimizer_fields = LAYOUTS[args.layout]
+    model_fields = dict(model_fields)
+    if model_fields.get("params_dtype") == "bfloat16":
+        model_fields["params_dtype"] = torch.bfloat16
+    distributed = bool(optimizer_fields.get("use_distributed_optimizer", False))
     model = GPTModelProvider(
         num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, seq_length=32,
         vocab_size=4096, make_vocab_size_divisible_by=128, transformer_layer_spec=local_layer_spec,
-        bf16=False, params_dtype=torch.float32, use_cpu_initialization=True,
+        **{"bf16": False, "params_dtype": torch.float32, **model_fields}, use_cpu_initialization=True,
         # CUDA-only fusions off, as for Megatron-LM's loop on CPU.
         gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
     return ConfigContainer(
         model=model,
-        train=TrainingConfig(train_iters=args.iters, global_batch_size=4, micro_batch_size=2),
+        train=TrainingConfig(train_iters=args.iters, global_batch_size=4, micro_batch_size=2,
+                             iterations_to_skip=list(args.iterations_to_skip)),
         validation=ValidationConfig(eval_interval=1000, eval_iters=0),
-        optimizer=OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=0.0, bf16=False, fp16=False,
-                                  use_distributed_optimizer=False),
+        optimizer=OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=0.0,
+                                  **{"bf16": False, "fp16": False, "use_distributed_optimizer": False,
+                                     **optimizer_fields}),
         # start/end weight decay have no default in Bridge 0.6.2 (None fails an assert >= 0.0).
         scheduler=SchedulerConfig(lr_decay_style="constant", lr_warmup_iters=0, start_weight_decay=0.01,
                                   end_weight_decay=0.01),
-        ddp=DistributedDataParallelConfig(use_distributed_optimizer=False),
+        ddp=DistributedDataParallelConfig(use_distributed_optimizer=distributed),
         dataset=MockGPTDatasetConfig(seq_length=32, random_seed=1234, reset_attention_mask=False,
                                      reset_position_ids=False, eod_mask_loss=False, num_dataset_builder_threads=1,
                                      split="9999,8,2", dataloader_type="single",
@@ -83,13 +114,14 @@ def tiny_gpt_config(args: argparse.Namespace) -> Any:
 
 
 def _recorder(out: Path) -> Any:
-    """A Bridge ``Callback`` that records each iteration and the final weights on rank 0."""
+    """A Bridge ``Callback`` that records each iteration (on the last rank, which holds the loss
+    under a pipeline) and every rank's final weights."""
     import torch
     from megatron.bridge.training.callbacks import Callback
 
     class StepRecorder(Callback):
         def on_train_step_end(self, context: Any) -> None:
-            if torch.distributed.get_rank() != 0:
+            if torch.distributed.get_rank() != torch.distributed.get_world_size() - 1:
                 return
             loss = (context.loss_dict or {}).get("lm loss")
             record = {
@@ -104,8 +136,7 @@ def _recorder(out: Path) -> Any:
                 f.write(json.dumps(record) + "\n")
 
         def on_train_end(self, context: Any) -> None:
-            if torch.distributed.get_rank() != 0:
-                return
+            rank = torch.distributed.get_rank()
             digest = hashlib.sha256()
             finite = True
             for chunk in context.model:
@@ -114,7 +145,8 @@ def _recorder(out: Path) -> Any:
                     finite = finite and bool(torch.isfinite(data).all())
                     digest.update(name.encode())
                     digest.update(data.numpy().tobytes())
-            (out / "weights.json").write_text(json.dumps({"sha256": digest.hexdigest(), "finite": finite}))
+            name = "weights.json" if rank == 0 else f"weights_rank{rank}.json"
+            (out / name).write_text(json.dumps({"sha256": digest.hexdigest(), "finite": finite}))
 
     return StepRecorder()
 
@@ -124,12 +156,15 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_patches.testing import bridge_cpu
 
     bridge_cpu.install_stand_ins()
-    if not args.no_guard:
+    if not args.no_guard and not args.guard_after_bridge:
         import megatron_patches.apply  # noqa: F401  (the user's one line, before Bridge is imported)
     bridge_cpu.install()
 
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
+
+    if args.guard_after_bridge:
+        import megatron_patches.apply  # noqa: F401,F811  (the same line, placed after Bridge's imports)
 
     args.out.mkdir(parents=True, exist_ok=True)
     pretrain(tiny_gpt_config(args), forward_step, callbacks=[_recorder(args.out)])
