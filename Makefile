@@ -49,9 +49,10 @@ test: install
 test-fast: install
 	$(VPY) -m pytest -q -m "not slow and not bench and not multiproc and not process" $(PYTEST_ARGS) tests
 
-# Everything, the slow and benchmark-marked tests included.
+# Everything, the slow and benchmark-marked tests included, then Megatron-Bridge's leg (test-bridge).
 test-all: install
 	MEGATRON_PATCHES_EVERY_LINE=1 $(VPY) -m pytest -q $(PYTEST_ARGS) tests
+	$(MAKE) test-bridge
 
 # Megatron-Bridge's pretraining loop (docs/bridge.md): its own environment $(BRIDGE_VENV) (Python 3.12,
 # Bridge 0.6.2, 8.8 GB; built once by scripts/install_bridge_cpu.sh, about 4 minutes here), then
