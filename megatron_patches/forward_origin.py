@@ -1,12 +1,12 @@
 """Where a non-finite loss was born: the first module, in forward order, whose output went
-non-finite.
+non-finite (or held a value of 2^64 or more, :data:`FORWARD_EXTREME`).
 
 When the forward pass breaks (an activation overflows, a kernel writes NaN), the loss and then
 every gradient are non-finite, and the gradient check alone names the tensor nearest the output:
 the output layer is blamed for a fault born anywhere. The forward pass itself says more. During
 a replay of the step (:class:`~megatron_patches.recovery.InProcessRecovery`), :class:`ForwardTrace`
 puts a forward hook on every module of this rank's model chunks; each hook keeps, on the device,
-whether that module's output held a NaN or Inf. Hooks run when a module's forward returns, so a
+whether that module's output held a NaN, an Inf or an extreme value. Hooks run when a module's forward returns, so a
 child reports before its parent, and the first flagged call is the innermost module where the
 fault appeared. One host read at the end; nothing runs on a training step.
 
@@ -38,6 +38,11 @@ from .protocols import Guard
 
 log = logging.getLogger("megatron_patches")
 
+FORWARD_EXTREME = 2.0 ** 64
+"""An activation of this magnitude is a fault, not a training's: the replay's trace flags it like
+a NaN. A flipped high exponent bit turns an activation of about 1 into about 2^64 to 2^127, still
+finite; the next layer norm squares it into an Inf, and a trace that looked for non-finite outputs
+only named that layer norm instead of the module that produced the huge value."""
 
 
 def _floating(value: Any) -> list[torch.Tensor]:
@@ -105,6 +110,13 @@ def _drill_hook(monitor: Guard, index: int, spec: Any, name: str):
     return hook
 
 
+def _broken(tensor: torch.Tensor) -> torch.Tensor:
+    """On the device: whether ``tensor`` holds a NaN, an Inf or a value of :data:`FORWARD_EXTREME` or more."""
+    if tensor.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=tensor.device)
+    return (~torch.isfinite(tensor)).any() | (tensor.detach().abs().amax() >= FORWARD_EXTREME)
+
+
 class ForwardTrace:
     """While entered, every module of ``model_chunks`` reports whether its output was finite and,
     once backward reaches that output, whether the gradient flowing into it was (both kept on the
@@ -135,7 +147,7 @@ class ForwardTrace:
             tensors = _floating(output)
             if tensors:
                 with torch.no_grad():
-                    bad = torch.stack([(~torch.isfinite(t)).any() for t in tensors]).any()
+                    bad = torch.stack([_broken(t) for t in tensors]).any()
                 self._calls.append((name, stage))
                 self._flags.append(bad)
                 target = next((t for t in tensors if t.requires_grad), None) if torch.is_grad_enabled() else None

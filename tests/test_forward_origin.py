@@ -93,3 +93,28 @@ def test_a_gradient_fault_is_not_called_a_forward_fault(tmp_path):
 def test_forward_drill_specs_are_checked(text, problem):
     with pytest.raises(ConfigError, match=problem):
         parse_spec(text)
+
+
+def test_a_huge_but_finite_activation_is_traced_to_its_module_not_to_the_norm_that_overflows():
+    """An exponent flip leaves an activation finite at 2^64 or more; the next layer norm squares it into
+    an Inf. The trace flags the huge value itself (FORWARD_EXTREME), so the module that produced it is
+    the origin; a large but plausible activation is not flagged."""
+    import torch
+
+    from megatron_patches.forward_origin import FORWARD_EXTREME, _broken
+
+    assert bool(_broken(torch.tensor([1.0, FORWARD_EXTREME])))
+    assert bool(_broken(torch.tensor([1.0, float("nan")])))
+    assert not bool(_broken(torch.tensor([1.0, -2.0 ** 40], dtype=torch.bfloat16)))
+    assert not bool(_broken(torch.empty(0)))
+
+
+def test_replay_names_the_module_whose_activation_got_an_exponent_flip(tmp_path):
+    out = tmp_path / "run"
+    drill = "bitflip:step=3,phase=forward,module=decoder.layers.1.mlp,bit=exponent_high,scope=row,seed=1234"
+    run = run_tiny(out, "--steps", "5", "--precision", "bf16", "--inject", drill)
+    assert run.returncode == 0, run.output[-3000:]
+    record = only_incident(out)
+    assert record["step"] == 3
+    # Before the bound the trace named decoder.final_layernorm, the first output that went non-finite.
+    assert record["forward_origin"]["module"] == "decoder.layers.1.mlp", record.get("forward_origin")
