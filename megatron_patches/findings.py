@@ -132,6 +132,9 @@ class RankReport:
     held: tuple[ParamFinding, ...] = ()
     """Its parameters whose weight the optimizer steps (main weight or its shard) or optimizer state
     is non-finite on this rank (:func:`held_findings`): a corruption of the state it holds."""
+    jumped: tuple[ParamFinding, ...] = ()
+    """Its own finite gradients whose norm stood far above their running mean before the reduction
+    (``PreReduction.jumped``): where a finite fault entered, if this replica alone shows one."""
     batch: tuple[int, ...] = ()
     """The dataset indices it fed in the step."""
     injected: tuple[dict, ...] = ()
@@ -152,8 +155,8 @@ class RankReport:
         there, or a router's probabilities went non-finite there. A rank with none of these adds
         nothing to the record, and neither it nor its scene is needed."""
         routing = self.moe_routing or {}
-        return bool(self.findings or self.pre_reduction or self.origin or self.held or self.megatron or self.injected
-                    or any(not seen["router_finite"] for seen in routing.values()))
+        return bool(self.findings or self.pre_reduction or self.origin or self.held or self.jumped or self.megatron
+                    or self.injected or any(not seen["router_finite"] for seen in routing.values()))
 
 
 def origins_of(everyone: list[RankReport]) -> tuple[list[int], int]:
@@ -167,11 +170,22 @@ def origins_of(everyone: list[RankReport]) -> tuple[list[int], int]:
     other ranks' losses, a NaN in its input gradient goes back to the rank that sent the tokens):
     there they count once, as their expert-data-parallel rank (:func:`replica_of`). Ranks whose own
     weights or optimizer state went non-finite (:attr:`RankReport.held`) are the origins where there
-    are any: the gradients of every replica that read those weights follow from them."""
+    are any: the gradients of every replica that read those weights follow from them. Without
+    either, a finite fault's origin is the rank whose own gradient jumped far above its running mean
+    (:attr:`RankReport.jumped`), where one replica alone shows such a jump: in several at once it is
+    the data's doing (a loss spike), and no rank is named."""
     held = sorted(report.rank for report in everyone if report.held)
     origins = held or sorted(report.rank for report in everyone if report.origin)
     replica = replica_of(everyone)
+    if not origins:
+        origins = _jumped_alone(everyone, replica)
     return origins, len({replica.get(r, r) for r in origins})
+
+
+def _jumped_alone(everyone: list[RankReport], replica: dict[int, int]) -> list[int]:
+    """The ranks of the one replica whose own gradients jumped, if exactly one replica shows a jump."""
+    jumped = sorted(report.rank for report in everyone if report.jumped)
+    return jumped if len({replica.get(r, r) for r in jumped}) == 1 else []
 
 
 def _expert_parallel(everyone: list[RankReport]) -> bool:
@@ -245,6 +259,8 @@ def assemble(ctx: CheckContext, everyone: list[RankReport], decision: Decision, 
     # The origin leads: a fault that entered a rank's own gradient before the reduction is
     # named there (host and device of that rank), not where the reduction carried it.
     held = [f for report in everyone for f in report.held]
+    if not before and decision.origins:  # a finite fault named where it entered (origins_of)
+        before = [f for report in everyone if report.rank in decision.origins for f in report.jumped]
     origin = first_of(held) or first_of(before)
     message = describe(found_kinds[1] if cause is not None and len(found_kinds) > 1 else kind, found,
                        ctx.total_norm, origin=origin, held=bool(held))

@@ -210,6 +210,7 @@ class GradMonitor:
         verdict = run.stage.run(optimizer, entries, step, before.flag, self.overflow_mode == "saturation")
         self._note_checked(optimizer, entries, verdict)
         self._tell("after_check", step, verdict.flagged)
+        run.origin.commit(accepted=not verdict.flagged)
         if not verdict.flagged:
             run.stage.commit(verdict, accepted=True)
             return False

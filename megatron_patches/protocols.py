@@ -64,12 +64,18 @@ class PreReduction(Protocol):
     def named(self, model_chunks: ModelChunks) -> list["ParamFinding"]:
         """This rank's own faulty gradients, named."""
 
+    def jumped(self, model_chunks: ModelChunks) -> list["ParamFinding"]:
+        """This rank's own finite gradients that jumped far above their running mean, named."""
+
 
 class OriginWatch(Protocol):
     """One run's pre-reduction origin pass (:class:`megatron_patches.seams.origin.OriginWatch`)."""
 
     def take(self) -> PreReduction:
         """What the step's pre-reduction pass saw, once."""
+
+    def commit(self, accepted: bool) -> None:
+        """After the step's check: whether its own norms join the running means."""
 
     def before_reduction(self, model_chunks: list) -> None:
         """The pass over a model outside Megatron DDP, before its reduction."""

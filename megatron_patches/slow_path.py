@@ -8,6 +8,7 @@ hand-off to the publisher and the callbacks' events. Every function takes the ru
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import signal
 from typing import Any, NoReturn, Optional
@@ -66,8 +67,11 @@ def rank_report(state: RunState, verdict: Verdict, before: PreReduction,
     held = held_findings(ctx.entries, optimizer_states(state.stage.first_optimizer()), ranks) if ctx.entries else []
     if state.drills.kills(ctx.step, rank):  # drill: this rank is lost in mid-incident
         os.kill(os.getpid(), signal.SIGKILL)
+    finite = ctx.total_norm is not None and math.isfinite(ctx.total_norm)  # the same on every rank
+    jumped = before.jumped(state.model_chunks) if finite and not own_origin else []
     report = RankReport(
         ranks=ranks, findings=tuple(findings), pre_reduction=tuple(pre_reduction), origin=own_origin, held=tuple(held),
+        jumped=tuple(jumped),
         batch=state.batch.samples, injected=tuple(state.drills.fired_at(ctx.step)),
         megatron=state.rerun.part(ctx.step),  # Megatron's loss check and rerun verdict
         moe_routing=state.routing.share(ctx.step))

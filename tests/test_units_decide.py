@@ -95,6 +95,32 @@ def test_a_corruption_one_rank_holds_is_the_origin_though_every_replica_went_non
     assert record["held_nonfinite"][0]["reasons"] == ["held:weight", "held:exp_avg"]
 
 
+def _jumped(rank):
+    return ParamFinding(name=FC1, layer=1, shape=[4, 4], nan=0, inf=0, overflow=0, norm=None, ranks=ranks(rank),
+                        host=f"host{rank}", device=f"cpu:{rank}", order=12, reasons=["local_jump", "pre_reduction"])
+
+
+def test_a_finite_fault_is_named_on_the_one_replica_whose_own_gradient_jumped():
+    """Hole 9 of the campaign: rank 1's own fc1 gradient x1,000 before the reduction; the magnitude check
+    sees the reduced gradient on rank 0, the shard holder. Rank 1 alone shows the jump over its running
+    mean: it is the origin, and the record names fc1 there. A jump on two replicas at once is the data's
+    (a loss spike): nobody is named an origin and the decision is the same single-fault skip."""
+    magnitude = ParamFinding(name=FC1, layer=1, shape=[4, 4], nan=0, inf=0, overflow=0, norm=None, ranks=ranks(0),
+                             host="host0", device="cpu:0", order=12, reasons=["history"])
+    alone = [RankReport(ranks=ranks(0), findings=(magnitude,)), RankReport(ranks=ranks(1), jumped=(_jumped(1),))]
+    decision, incident = decide(verdict(total_norm=3.0), alone, policy(), facts())
+    assert (decision.action, decision.origins) == ("skip_step", (1,))
+    record = incident.record()
+    assert record["origin_ranks"] == [1] and record["first"]["ranks"]["global"] == 1 and record["first"]["name"] == FC1
+    assert "rank(s) [1] before the data-parallel reduction" in incident.message
+
+    both = [RankReport(ranks=ranks(0), findings=(magnitude,), jumped=(_jumped(0),)),
+            RankReport(ranks=ranks(1), jumped=(_jumped(1),))]
+    decision, incident = decide(verdict(total_norm=3.0), both, policy(), facts())
+    assert (decision.action, decision.origins) == ("skip_step", ())
+    assert incident.record()["first"]["ranks"]["global"] == 0
+
+
 def test_the_held_weights_and_state_are_read_tensor_by_tensor():
     from types import SimpleNamespace
 
@@ -183,3 +209,22 @@ def test_a_failure_while_deciding_becomes_a_critical_stop_with_a_record():
                                          can_replay=False)
     assert (decision.severity, decision.action) == ("critical", "stop") and "KeyError" in decision.reason
     assert incident is not None and incident.kind == "guard_error"
+
+
+def test_own_gradient_norms_are_judged_against_their_running_mean_which_only_clean_steps_move():
+    """OriginWatch's ratios (device ops only, read on the slow path): none on the first step; then each
+    norm over its running mean; a flagged step's norms do not join the mean, a clean step's do."""
+    from megatron_patches.seams.origin import LOCAL_JUMP, OriginWatch
+
+    watch = OriginWatch(enabled=True)
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))]
+
+    def ratios(norms):
+        return watch._ratios("chunks", (None, params, torch.tensor(norms)))[2].tolist()
+
+    assert ratios([1.0, 2.0]) == [0.0, 0.0]
+    watch.commit(accepted=True)
+    assert ratios([1.0, 2.0 * LOCAL_JUMP]) == [1.0, LOCAL_JUMP]
+    watch.commit(accepted=False)  # flagged: the jump stays out of the mean
+    assert ratios([1.0, 2.0]) == [1.0, 1.0]
+    assert ratios([float("nan"), 4.0])[0] == 0.0  # a non-finite norm is the other check's business

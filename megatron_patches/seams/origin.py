@@ -47,6 +47,9 @@ class PreReduction:
     (None: the chunks registered for the optimizer holding the params, found then)."""
     findings: list = field(default_factory=list)
     """Parameters Megatron's bucket check found non-finite here (:meth:`OriginWatch.note`)."""
+    jumps: list = field(default_factory=list)
+    """(chunks or None, params, device ratios) per fused pass: each own gradient's norm over its
+    running mean on this rank (0 where there is none yet). Read on the slow path only."""
 
     def is_origin(self) -> bool:
         """Reading the flag costs nothing on a quiet step: it is read on the slow path only."""
@@ -57,12 +60,31 @@ class PreReduction:
         from the run's ``model_chunks`` where a pass saw a bucket group, not the chunks)."""
         return self.findings or [f for norms in self.norms for f in _norm_findings(model_chunks, norms)]
 
+    def jumped(self, model_chunks: ModelChunks) -> list[ParamFinding]:
+        """This rank's own finite gradients whose norm stood :data:`LOCAL_JUMP` times or more above
+        their running mean before the reduction (one host read; the slow path only)."""
+        return [f for ratios in self.jumps for f in _jump_findings(model_chunks, ratios)]
+
+
+LOCAL_JUMP = 16.0
+"""How far above its running mean, on its own rank before the reduction, a finite gradient's norm
+must stand to make that rank the origin of a step flagged for magnitude (the history detector's
+default factor). Used only when one data-parallel replica alone shows such a jump
+(:func:`~megatron_patches.findings.origins_of`): a loss spike moves every replica's norms alike."""
+
+LOCAL_MEAN_DECAY = 0.9
+"""Weight of the past in each own gradient's running mean of norms (kept on the device)."""
+
 
 class OriginWatch:
     """Collects one step's :class:`PreReduction` on this rank until the check takes it."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
+        self._means: dict = {}
+        """Per fused pass (a bucket group's id, or "chunks"): each own gradient's running mean of norms, on the device."""
+        self._proposed: dict = {}
+        """The running means the step just taken would make, kept only if its check passes (:meth:`commit`)."""
         self._pending = PreReduction()
         self._bucket_checks = False
         self._world_size: Optional[int] = None
@@ -77,6 +99,8 @@ class OriginWatch:
         if self.watching() and not self._bucket_checks:
             self._pending.flag, norms = _local_origin_norms(chunks)
             self._pending.norms = [norms] if norms is not None else []
+            if norms is not None:
+                self._pending.jumps = [self._ratios("chunks", norms)]
 
     def before_group(self, group: object, params: list, step: int) -> None:
         """A DDP bucket group of a checked ``step`` right before its collective
@@ -114,8 +138,30 @@ class OriginWatch:
             flag = (~torch.isfinite(norms)).any().float()
             taken.flag = flag if taken.flag is None else torch.maximum(taken.flag, flag.to(taken.flag.device))
             taken.norms += [(None, params, n) for params, n in self._groups.values()]
+            taken.jumps += [self._ratios(key, (None, params, n)) for key, (params, n) in self._groups.items()]
         self._groups, self._groups_step = {}, None
         return taken
+
+    def _ratios(self, key: object, norms: tuple) -> tuple:
+        """(chunks, params, each norm over its running mean): device ops only, no read. ``key``: the
+        fused pass (a bucket group's id, or the whole model's). The mean this step would make waits
+        for :meth:`commit`."""
+        chunks, params, values = norms
+        mean = self._means.get(key)
+        finite = torch.isfinite(values)
+        if mean is None or mean.shape != values.shape:
+            self._proposed[key] = torch.where(finite, values, torch.zeros_like(values))
+            return chunks, params, torch.zeros_like(values)
+        ratios = torch.where(finite & (mean > 0), values / mean.clamp_min(torch.finfo(mean.dtype).tiny),
+                             torch.zeros_like(values))
+        self._proposed[key] = torch.where(finite, LOCAL_MEAN_DECAY * mean + (1 - LOCAL_MEAN_DECAY) * values, mean)
+        return chunks, params, ratios
+
+    def commit(self, accepted: bool) -> None:
+        """After the step's check: a clean step's norms join the running means; a flagged step's do not."""
+        if accepted:
+            self._means.update(self._proposed)
+        self._proposed = {}
 
 
 
@@ -143,6 +189,20 @@ def _fused_norms(params: list) -> tuple[list, Optional[torch.Tensor]]:
         return held, None
     with torch.no_grad():
         return held, torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+
+
+def _jump_findings(model_chunks: ModelChunks, jumps: tuple) -> list[ParamFinding]:
+    """This rank's parameters whose own finite gradient norm stood :data:`LOCAL_JUMP` times or more
+    above its running mean before the reduction."""
+    chunks, params, ratios = jumps
+    values = ratios.tolist()
+    if not any(value >= LOCAL_JUMP for value in values):
+        return []
+    infos = names_of(model_chunks, params) if chunks is None else naming.name_parameters(chunks, parallel_state())
+    ranks, host, device = naming.rank_info(parallel_state()), naming.host(), naming.device_name()
+    return [ParamFinding.located(infos.get(id(param)), ranks, shape=list(param.shape), nan=0, inf=0, overflow=0,
+                                 norm=None, host=host, device=device, reasons=["local_jump", "pre_reduction"])
+            for param, value in zip(params, values) if value >= LOCAL_JUMP]
 
 
 def _norm_findings(model_chunks: ModelChunks, origin_norms: Optional[tuple]) -> list[ParamFinding]:
