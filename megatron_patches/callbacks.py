@@ -9,7 +9,7 @@ what a callback wants from the run it answers from these methods.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 if TYPE_CHECKING:  # pragma: no cover - names for the annotations only
     from .decisions import Decision
@@ -38,3 +38,16 @@ class Callback:
     def before_exit(self, decision: "Decision") -> None:
         """Before the guard ends the process for ``decision``, on every rank: finish what must
         outlive it (pending checkpoint saves). The exit code is not this callback's to change."""
+
+
+C = TypeVar("C", bound=Callback)
+
+
+def attached(monitor: Any, kind: "type[C]") -> C:
+    """The monitor's callback of ``kind``, made (``kind(monitor)``) and added at the first call: one
+    per monitor, and a new monitor gets a new one."""
+    found = monitor.callback_of(kind)
+    if found is None:
+        found = kind(monitor)
+        monitor.add_callback(found)
+    return found

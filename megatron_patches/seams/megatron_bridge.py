@@ -32,15 +32,14 @@ import os
 from typing import Any, Optional
 
 from .. import collectives, safe_mode
-from ..callbacks import Callback
+from ..callbacks import Callback, attached
 from ..errors import UserError, exit_refused
 from ..protocols import Guard
 from . import wrappers
 from .megatron_lm import sample_positions
 from .megatron_lm_inprocess import InProcessRollback, LoopCounters
-from .megatron_lm_checkpoints import (DIVERGED, CheckpointMarks, diverged_since, newest_healthy_iteration, read_tracker,
-                                      saved_lr_scale, warn0)
-from .megatron_lm_rollback import Rollback, skip_iterations
+from .megatron_lm_checkpoints import CheckpointMarks, newest_healthy_iteration, read_tracker, saved_lr_scale, warn0
+from .megatron_lm_rollback import Rollback, group_key, skip_iterations
 
 log = logging.getLogger("megatron_patches")
 
@@ -99,6 +98,7 @@ class BridgeSession(Callback):
         self.rollback: Optional[Rollback] = None
         """The ledger's side; None before the load, and without ``checkpoint.save``/``load``."""
         self.marks = BridgeMarks(monitor, self)
+        monitor.add_callback(self.marks)
         self._started = False
         self._loaded = False
         self._lr_bounds: dict = {}
@@ -172,7 +172,7 @@ class BridgeSession(Callback):
                 setattr(scheduler, name, getattr(scheduler, name) * scale)
         scheduler.override_opt_param_scheduler, scheduler.use_checkpoint_opt_param_scheduler = True, False
         for group in optimizer.param_groups:
-            self._lr_bounds[_group_key(group)] = tuple(
+            self._lr_bounds[group_key(group)] = tuple(
                 None if group.get(key) is None else group[key] * scale for key in ("max_lr", "min_lr"))
         warn0("ledger %s: learning rate scaled by %.3g (max_lr %.4g, min_lr %.4g; the scheduler's "
               "override_opt_param_scheduler on)", self.rollback.root, scale, scheduler.max_lr, scheduler.min_lr)
@@ -218,7 +218,7 @@ class BridgeSession(Callback):
         cfg, loaded = self.config(), int(self.state.train_state.step)
         if self._lr_bounds and optimizer is not None:
             for group in optimizer.param_groups:
-                bounds = self._lr_bounds.get(_group_key(group))
+                bounds = self._lr_bounds.get(group_key(group))
                 if bounds is not None:
                     group["max_lr"], group["min_lr"] = bounds
             if scheduler is not None:
@@ -261,37 +261,12 @@ class BridgeSession(Callback):
         lr_scale = self.rollback.lr_scale if self.rollback is not None else 1.0
         self.marks.after_save(int(state.train_state.step), model, non_persistent, lr_scale)
 
-    # -- the monitor's events (callbacks.Callback) -------------------------------------------------
 
-    def before_exit(self, decision: Any) -> None:
-        """Before any exit of the guard (and before the ledger is written): pending async saves
-        finished and marked."""
-        if self.state is not None:
-            self.marks.finalize(decision)
-
-    def after_rollback(self, rollbacks: int) -> None:
-        self.marks.after_rollback()
-
-    def after_check(self, step: int, flagged: bool) -> None:
-        self.marks.after_check(step, flagged)
-
-    def on_decision(self, decision: Any, incident: Any) -> None:
-        """Rank 0: a diverged replica disqualifies every checkpoint it may be in."""
-        if incident is not None and DIVERGED in incident.kinds and self.state is not None:
-            self.marks.disqualify_since(diverged_since(self.monitor.config, int(decision.step)), int(decision.step))
-
-
-def _group_key(group: dict) -> tuple:
-    return tuple(id(p) for p in group["params"])
 
 
 def session(monitor: Guard) -> BridgeSession:
     """The run's session: a callback of its monitor, made at the first call (a new monitor gets a new one)."""
-    found = monitor.callback_of(BridgeSession)
-    if found is None:
-        found = BridgeSession(monitor)
-        monitor.add_callback(found)
-    return found
+    return attached(monitor, BridgeSession)
 
 
 # --- wrapt wrappers (lazy registry targets under megatron.bridge.training) ------------------------

@@ -50,11 +50,11 @@ import math
 from typing import Any, Optional
 
 from .. import collectives
-from ..callbacks import Callback
+from ..callbacks import Callback, attached
 from ..errors import UserError, exit_refused
 from ..protocols import Guard
 from . import mindspeed_llm, start_line, wrappers
-from .megatron_lm_checkpoints import DIVERGED, STATE_DIR, TRACKER_FILE, CheckpointMarks, diverged_since, newest_healthy_iteration, read_tracker, saved_lr_scale, state_file, warn0, write_marker
+from .megatron_lm_checkpoints import STATE_DIR, TRACKER_FILE, CheckpointMarks, newest_healthy_iteration, read_tracker, saved_lr_scale, state_file, warn0, write_marker
 from .megatron_lm_inprocess import InProcessRollback
 from .megatron_lm_replay import ForwardReplay, replays_here
 from .megatron_lm_rollback import Rollback, built_model_facts, core_version, skip_iterations, switch_off_for_retry, to_iterations_to_skip
@@ -82,6 +82,7 @@ class MegatronLMSession(Callback):
         self.rollback: Optional[Rollback] = None
         """The ledger's side; None until the scheduler is built, and without --save/--load."""
         self.marks = CheckpointMarks(monitor)
+        monitor.add_callback(self.marks)
         self.replay: Optional[ForwardReplay] = None
         """Replays a skipped step's forward pass where Megatron's own check is off (:mod:`.megatron_lm_replay`)."""
         self.in_process: Optional[InProcessRollback] = None
@@ -200,22 +201,6 @@ class MegatronLMSession(Callback):
         (:mod:`.megatron_lm_replay`): its record waits for that outcome."""
         return self.replay is not None and self.replay.wants(decision)
 
-    def before_exit(self, decision: Any) -> None:
-        """Before any exit of the guard (and before the ledger is written): pending async saves
-        finished and marked."""
-        self.marks.finalize(decision)
-
-    def after_rollback(self, rollbacks: int) -> None:
-        self.marks.after_rollback()
-
-    def after_check(self, step: int, flagged: bool) -> None:
-        """Rank 0: the saves waiting for certification hear each checked step's verdict."""
-        self.marks.after_check(step, flagged)
-
-    def on_decision(self, decision: Any, incident: Any) -> None:
-        """Rank 0: a diverged replica disqualifies every checkpoint it may be in."""
-        if incident is not None and DIVERGED in incident.kinds:
-            self.marks.disqualify_since(diverged_since(self.monitor.config, int(decision.step)), int(decision.step))
 
 
 def _advise(args: Any) -> None:
@@ -267,11 +252,7 @@ def sample_positions(dataloader_type: Optional[str], micro_batch_size: int, cons
 
 def session(monitor: Guard) -> MegatronLMSession:
     """The run's session: a callback of its monitor, made at the first call (a new monitor gets a new one)."""
-    found = monitor.callback_of(MegatronLMSession)
-    if found is None:
-        found = MegatronLMSession(monitor)
-        monitor.add_callback(found)
-    return found
+    return attached(monitor, MegatronLMSession)
 
 
 # --- wrapt wrappers (registry targets under megatron.training) -----------------------------------

@@ -30,6 +30,7 @@ import os
 from typing import Any, Optional
 
 from .. import checkpoint, collectives
+from ..callbacks import Callback
 from ..detectors.base import Rotation
 from ..files import write_json_atomic
 from ..protocols import Guard
@@ -108,9 +109,10 @@ def saved_lr_scale(root: str, iteration: int) -> float:
 # --- writing them as Megatron saves ---------------------------------------------------------------
 
 
-class CheckpointMarks:
-    """The markers and guard-state files of one Megatron-LM process's saves. A loop with another
-    home for its arguments (Megatron-Bridge's) overrides the four methods that read them."""
+class CheckpointMarks(Callback):
+    """The markers and guard-state files of one Megatron-LM process's saves; a callback of its
+    monitor (the loop integration adds it). A loop with another home for its arguments
+    (Megatron-Bridge's) overrides the four methods that read them."""
 
     def __init__(self, monitor: Guard):
         self.monitor = monitor
@@ -200,10 +202,22 @@ class CheckpointMarks:
                 entry["fields"]["certified_at"] = step
                 self._settle(entry, None)
 
-    def after_rollback(self) -> None:
+    # -- the monitor's events (callbacks.Callback) ---------------------------------------------------
+
+    def after_rollback(self, rollbacks: int) -> None:
         """An in-process rollback undid the incidents since the last save: they no longer make
         the next one unhealthy."""
         self._incidents_at_save = self.monitor.counters["incidents"]
+
+    def on_decision(self, decision: Any, incident: Any) -> None:
+        """Rank 0: a diverged replica disqualifies every checkpoint it may be in."""
+        if incident is not None and DIVERGED in incident.kinds:
+            self.disqualify_since(diverged_since(self.monitor.config, int(decision.step)), int(decision.step))
+
+    def before_exit(self, decision: Any) -> None:
+        """Before any exit of the guard (and before the ledger is written): pending async saves
+        finished and marked."""
+        self.finalize(decision)
 
     def disqualify_since(self, since: int, found_at: int) -> None:
         """Rank 0: a replica found diverged at ``found_at`` may date from ``since``: no checkpoint

@@ -173,7 +173,7 @@ class Rollback(Callback):
         # The groups themselves are changed only after the checkpoint load (first train_step):
         # from 0.19 on, the optimizer finds each saved group by its max_lr/min_lr, among others.
         for group in optimizer.param_groups:
-            self._lr_bounds[_group_key(group)] = tuple(
+            self._lr_bounds[group_key(group)] = tuple(
                 None if group.get(key) is None else group[key] * scale for key in ("max_lr", "min_lr"))
         warn0("ledger %s: learning rate scaled by %.3g (lr %.4g, min_lr %.4g; "
               "override_opt_param_scheduler on)", self.root, scale, args.lr, args.min_lr)
@@ -212,7 +212,7 @@ class Rollback(Callback):
             # The optimizer's load_state_dict brings back each group's max_lr/min_lr as saved.
             restored = 0
             for group in optimizer.param_groups:
-                bounds = self._lr_bounds.get(_group_key(group))
+                bounds = self._lr_bounds.get(group_key(group))
                 if bounds is not None and (group.get("max_lr"), group.get("min_lr")) != bounds:
                     group["max_lr"], group["min_lr"] = bounds
                     restored += 1
@@ -282,5 +282,6 @@ class Rollback(Callback):
         self.monitor.exit(Decision(Severity.CRITICAL, Action.STOP, reason, self.monitor.step))
 
 
-def _group_key(group: dict) -> tuple:
+def group_key(group: dict) -> tuple:
+    """A param group's identity across a checkpoint load: its parameters' ids."""
     return tuple(id(p) for p in group["params"])
