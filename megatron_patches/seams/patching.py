@@ -232,11 +232,12 @@ def _install_lazy(target: PatchTarget, version: str) -> None:
         log.warning("%s not wrapped (%s): this loop's %s runs unguarded", target.dotted, exc, target.qualname)
 
 
-class _ThenLoader(importlib.abc.Loader):
-    """A module's own loader, then the callbacks waiting for that module."""
+class LoaderAround(importlib.abc.Loader):
+    """A module's own loader, with its execution handed to ``around(module, execute)``, which must
+    call ``execute()`` once: what runs before and after it is the caller's."""
 
-    def __init__(self, loader: Any, callbacks: list) -> None:
-        self._loader, self._callbacks = loader, callbacks
+    def __init__(self, loader: Any, around: Any) -> None:
+        self._loader, self._around = loader, around
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_code, is_package, ...
         return getattr(self._loader, name)
@@ -245,9 +246,16 @@ class _ThenLoader(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
-        self._loader.exec_module(module)
-        for callback in self._callbacks:
-            callback()
+        self._around(module, lambda: self._loader.exec_module(module))
+
+
+def spec_around(fullname: str, path: Any, around: Any) -> Any:
+    """The module's spec from the path, its loader wrapped in :class:`LoaderAround`; None if not found."""
+    spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+    if spec is None or spec.loader is None:
+        return None
+    spec.loader = LoaderAround(spec.loader, around)
+    return spec
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -260,11 +268,13 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         callbacks = self.waiting.pop(fullname, None)
         if callbacks is None:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return None
-        spec.loader = _ThenLoader(spec.loader, callbacks)
-        return spec
+
+        def then(module: Any, execute: Any) -> None:
+            execute()
+            for callback in callbacks:
+                callback()
+
+        return spec_around(fullname, path, then)
 
 
 def _after_import(module: str, callback: Any) -> None:

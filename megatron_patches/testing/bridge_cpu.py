@@ -43,6 +43,7 @@ from typing import Any, Callable
 
 import torch
 
+from megatron_patches.seams import patching
 from megatron_patches.testing import megatron_lm_cpu
 
 __all__ = ["install", "install_stand_ins", "uninstall", "installed", "CpuStandInError", "STAND_INS", "TE_STAND_IN",
@@ -126,25 +127,18 @@ def _scoped_import(modules: dict[str, types.ModuleType]) -> Callable[..., Any]:
     return __import__
 
 
-class _ScopedLoader(importlib.abc.Loader):
-    def __init__(self, loader: importlib.abc.Loader, stand_ins: tuple[str, ...]) -> None:
-        self._loader = loader
-        self._stand_ins = stand_ins
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_code, is_package, ...
-        return getattr(self._loader, name)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: types.ModuleType) -> None:
+def _scoped_execution(stand_ins: tuple[str, ...]) -> Callable[[types.ModuleType, Callable[[], None]], None]:
+    """Runs a module's code with its own ``__import__``, which answers ``stand_ins`` (fresh each time)."""
+    def around(module: types.ModuleType, execute: Callable[[], None]) -> None:
         modules: dict[str, types.ModuleType] = {}
-        for package in self._stand_ins:
+        for package in stand_ins:
             modules.update(_BUILDERS[package]())
         scoped = dict(builtins.__dict__)
         scoped["__import__"] = _scoped_import(modules)
         module.__dict__["__builtins__"] = scoped
-        self._loader.exec_module(module)
+        execute()
+
+    return around
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -152,11 +146,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         stand_ins = STAND_INS.get(fullname)
         if stand_ins is None:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return None
-        spec.loader = _ScopedLoader(spec.loader, stand_ins)
-        return spec
+        return patching.spec_around(fullname, path, _scoped_execution(stand_ins))
 
 
 def _with_one_device(original: Callable) -> Callable:
