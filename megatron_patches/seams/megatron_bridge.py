@@ -39,7 +39,8 @@ from . import wrappers
 from .megatron_lm import sample_positions
 from .megatron_lm_inprocess import InProcessRollback, LoopCounters
 from .megatron_lm_checkpoints import CheckpointMarks, newest_healthy_iteration, read_tracker, saved_lr_scale, warn0
-from .megatron_lm_rollback import Rollback, group_key, skip_iterations
+from .megatron_lm_rollback import (Rollback, put_group_bounds, scale_group_bounds, scale_scheduler_bounds,
+                                   scaled_group_bounds, skip_iterations)
 
 log = logging.getLogger("megatron_patches")
 
@@ -167,13 +168,9 @@ class BridgeSession(Callback):
     def _scale_lr(self, scheduler: Any, optimizer: Any, scale: float) -> None:
         """The scheduler's bounds now (its load then keeps them); the param groups' after the load,
         matched first to the checkpoint's saved scale, by which the optimizer finds its saved groups."""
-        for name in ("init_lr", "max_lr", "min_lr"):
-            if getattr(scheduler, name, None):
-                setattr(scheduler, name, getattr(scheduler, name) * scale)
+        scale_scheduler_bounds(scheduler, scale)
         scheduler.override_opt_param_scheduler, scheduler.use_checkpoint_opt_param_scheduler = True, False
-        for group in optimizer.param_groups:
-            self._lr_bounds[group_key(group)] = tuple(
-                None if group.get(key) is None else group[key] * scale for key in ("max_lr", "min_lr"))
+        self._lr_bounds = scaled_group_bounds(optimizer, scale)
         warn0("ledger %s: learning rate scaled by %.3g (max_lr %.4g, min_lr %.4g; the scheduler's "
               "override_opt_param_scheduler on)", self.rollback.root, scale, scheduler.max_lr, scheduler.min_lr)
 
@@ -203,10 +200,7 @@ class BridgeSession(Callback):
             iteration = read_tracker(cfg.checkpoint.load)
         scale = saved_lr_scale(cfg.checkpoint.load, iteration) if iteration else 1.0
         if scale != 1.0 and optimizer is not None:
-            for group in optimizer.param_groups:
-                for key in ("max_lr", "min_lr"):
-                    if group.get(key) is not None:
-                        group[key] *= scale
+            scale_group_bounds(optimizer, scale)
 
     def after_load(self, optimizer: Any, scheduler: Any) -> None:
         """Right after the load (or before the first iteration when Bridge loaded none): the
@@ -217,10 +211,7 @@ class BridgeSession(Callback):
         self._loaded = True
         cfg, loaded = self.config(), int(self.state.train_state.step)
         if self._lr_bounds and optimizer is not None:
-            for group in optimizer.param_groups:
-                bounds = self._lr_bounds.get(group_key(group))
-                if bounds is not None:
-                    group["max_lr"], group["min_lr"] = bounds
+            put_group_bounds(optimizer, self._lr_bounds)
             if scheduler is not None:
                 scheduler.step(increment=0)
         self.marks.after_load(cfg.checkpoint.load, loaded)

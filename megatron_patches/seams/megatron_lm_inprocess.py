@@ -41,7 +41,7 @@ from ..ledger import Ledger
 from ..protocols import Guard
 from ..recovery import Episode
 from .megatron_lm_checkpoints import DIVERGED, diverged_since, newest_healthy_iteration, warn0
-from .megatron_lm_rollback import Rollback
+from .megatron_lm_rollback import Rollback, scale_group_bounds, scale_scheduler_bounds
 from .megatron_lm_state import after_restore, install_tapes, live_tensors, restore_values, small_values, snapshot_bytes
 
 log = logging.getLogger("megatron_patches")
@@ -242,13 +242,8 @@ class LiveLoop:
         factor = scale / self.run.applied_scale
         if factor != 1.0:
             _, optimizer, scheduler = self.run.state_of(self.run._call[1])
-            for name in ("init_lr", "max_lr", "min_lr"):
-                if getattr(scheduler, name, None) is not None:
-                    setattr(scheduler, name, getattr(scheduler, name) * factor)
-            for group in optimizer.param_groups:
-                for key in ("max_lr", "min_lr"):
-                    if group.get(key) is not None:
-                        group[key] *= factor
+            scale_scheduler_bounds(scheduler, factor)
+            scale_group_bounds(optimizer, factor)
             scheduler.step(increment=0)
         self.run.applied_scale = scale
 

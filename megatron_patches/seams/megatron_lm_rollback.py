@@ -154,12 +154,8 @@ class Rollback(Callback):
             return
         iteration = args.ckpt_step if getattr(args, "ckpt_step", None) is not None else read_tracker(args.load)
         scale = saved_lr_scale(args.load, iteration) if iteration else 1.0
-        if scale == 1.0:
-            return
-        for group in optimizer.param_groups:
-            for key in ("max_lr", "min_lr"):
-                if group.get(key) is not None:
-                    group[key] *= scale
+        if scale != 1.0:
+            scale_group_bounds(optimizer, scale)
 
     def _scale_lr(self, args: Any, optimizer: Any, scale: float) -> None:
         for name in ("lr", "min_lr", "lr_warmup_init"):
@@ -172,9 +168,7 @@ class Rollback(Callback):
         args.override_opt_param_scheduler = True
         # The groups themselves are changed only after the checkpoint load (first train_step):
         # from 0.19 on, the optimizer finds each saved group by its max_lr/min_lr, among others.
-        for group in optimizer.param_groups:
-            self._lr_bounds[group_key(group)] = tuple(
-                None if group.get(key) is None else group[key] * scale for key in ("max_lr", "min_lr"))
+        self._lr_bounds = scaled_group_bounds(optimizer, scale)
         warn0("ledger %s: learning rate scaled by %.3g (lr %.4g, min_lr %.4g; "
               "override_opt_param_scheduler on)", self.root, scale, args.lr, args.min_lr)
 
@@ -210,12 +204,7 @@ class Rollback(Callback):
             args.non_persistent_ckpt_type, self._non_persistent_type = self._non_persistent_type, None
         if self._lr_bounds:
             # The optimizer's load_state_dict brings back each group's max_lr/min_lr as saved.
-            restored = 0
-            for group in optimizer.param_groups:
-                bounds = self._lr_bounds.get(group_key(group))
-                if bounds is not None and (group.get("max_lr"), group.get("min_lr")) != bounds:
-                    group["max_lr"], group["min_lr"] = bounds
-                    restored += 1
+            restored = put_group_bounds(optimizer, self._lr_bounds)
             if scheduler is not None:
                 scheduler.step(increment=0)  # recompute every group's lr from the bounds
             if restored:
@@ -280,6 +269,43 @@ class Rollback(Callback):
     def _stop(self, reason: str) -> NoReturn:
         """A critical stop before training starts (every rank reads the same ledger)."""
         self.monitor.exit(Decision(Severity.CRITICAL, Action.STOP, reason, self.monitor.step))
+
+
+def scale_scheduler_bounds(scheduler: Any, factor: float) -> None:
+    """The scheduler's ``init_lr``/``max_lr``/``min_lr`` times ``factor`` (those it has)."""
+    for name in ("init_lr", "max_lr", "min_lr"):
+        if getattr(scheduler, name, None) is not None:
+            setattr(scheduler, name, getattr(scheduler, name) * factor)
+
+
+def scale_group_bounds(optimizer: Any, factor: float) -> None:
+    """Each param group's ``max_lr``/``min_lr`` times ``factor`` (those it has)."""
+    for group in optimizer.param_groups:
+        for key in GROUP_BOUNDS:
+            if group.get(key) is not None:
+                group[key] *= factor
+
+
+def scaled_group_bounds(optimizer: Any, scale: float) -> dict:
+    """{:func:`group_key`: (max_lr, min_lr) times ``scale``} of each param group, to put back after
+    a checkpoint load (:func:`put_group_bounds`), which restores the saved ones."""
+    return {group_key(group): tuple(None if group.get(key) is None else group[key] * scale for key in GROUP_BOUNDS)
+            for group in optimizer.param_groups}
+
+
+def put_group_bounds(optimizer: Any, bounds: dict) -> int:
+    """Each param group's (max_lr, min_lr) from ``bounds``; returns how many groups changed."""
+    changed = 0
+    for group in optimizer.param_groups:
+        wanted = bounds.get(group_key(group))
+        if wanted is not None and tuple(group.get(key) for key in GROUP_BOUNDS) != wanted:
+            group["max_lr"], group["min_lr"] = wanted
+            changed += 1
+    return changed
+
+
+GROUP_BOUNDS = ("max_lr", "min_lr")
+"""A param group's learning-rate bounds, which the scheduler reads and a rollback scales."""
 
 
 def group_key(group: dict) -> tuple:
