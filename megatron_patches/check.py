@@ -82,12 +82,13 @@ class CheckStage:
         return next(iter(self._entries.keys()), None)
 
     def run(self, optimizer: Any, entries: list, step: int, origin_flag: Optional[torch.Tensor],
-            saturation: bool) -> Verdict:
+            saturation: bool, replay: bool = False) -> Verdict:
         """Check ``optimizer``'s gradients of ``step`` on every rank; ``origin_flag``: this rank's
-        pre-reduction flag (:mod:`~megatron_patches.seams.origin`)."""
+        pre-reduction flag (:mod:`~megatron_patches.seams.origin`); ``replay``: gradients recomputed
+        for a step already checked."""
         if self._detector_width is None:
             self._size_detectors(entries)
-        ctx, maxabs, vec = self._local(optimizer, entries, step, origin_flag, saturation)
+        ctx, maxabs, vec = self._local(optimizer, entries, step, origin_flag, saturation, replay)
         self.peers.prepare()  # once, while every rank is here
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(vec)  # every rank joins, stub optimizers included
@@ -143,7 +144,7 @@ class CheckStage:
         return cached
 
     def _local(self, optimizer: Any, entries: list, step: int, origin_flag: Optional[torch.Tensor],
-               saturation: bool):
+               saturation: bool, replay: bool):
         """Per-parameter norms on the device and this rank's vector to all-reduce."""
         pairs = [(e, g) for e, g in self.seams.current_grads(optimizer, entries) if g is not None and g.numel() > 0]
         live = [e for e, _ in pairs]
@@ -153,7 +154,7 @@ class CheckStage:
         vec = torch.zeros(_HEAD + num_slots + self._detector_width, dtype=torch.float32, device=device)
         if origin_flag is not None:
             vec[_ORIGINS] = origin_flag.to(device)
-        ctx = CheckContext(step=step, entries=live, grads=grads, norms=None, device=device)
+        ctx = CheckContext(step=step, entries=live, grads=grads, norms=None, device=device, replay=replay)
         maxabs = None
         if grads:
             weights, slots, limits = self._static_tensors(optimizer, live, device)

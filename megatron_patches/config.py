@@ -128,6 +128,15 @@ class PeersConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AuditConfig:
+    enabled: bool = False
+    """Fingerprint the weights each rank's optimizer steps and their Adam moments right after every
+    update and again at the next check: a tensor changed in between was corrupted (any bit, no
+    threshold), and the rank holding it is named. Off by default: two reads of the weights and
+    moments per checked step (about 12 gradient read passes; docs/detectors.md, "audit")."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class DetectorsConfig:
     nonfinite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
     """NaN/Inf check."""
@@ -141,6 +150,8 @@ class DetectorsConfig:
     """Cross-replica fingerprints: one data-parallel rank that disagrees (docs/detectors.md)."""
     peers: PeersConfig = field(default_factory=PeersConfig)
     """Each tensor against the same tensor in the other layers, from the first step (docs/detectors.md)."""
+    audit: AuditConfig = field(default_factory=AuditConfig)
+    """Held weights and optimizer state compared across the time between two updates (docs/detectors.md)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -219,7 +219,9 @@ def describe(kind: str, findings: list[ParamFinding], total_norm: float,
     what = f"{kind} gradient" if kind in _BUILT_IN_KINDS else kind
     if held and origin is not None:
         state = " and ".join(r.split(":", 1)[1] for r in origin.reasons if r.startswith("held:"))
-        what = f"non-finite {state}" if origin.nan or origin.inf else f"{state} beyond 2^100"
+        altered = " and ".join(r.split(":", 1)[1] for r in origin.reasons if r.startswith("altered:"))
+        what = (f"{altered} altered between two updates" if altered
+                else f"non-finite {state}" if origin.nan or origin.inf else f"{state} beyond 2^100")
     if origin is not None:
         head = (f"{what} first at {origin.name} (layer {origin.layer}{_expert_note(origin)}, rank {origin.ranks['global']}, "
                 f"host {origin.host} {origin.device})")
@@ -268,8 +270,10 @@ def assemble(ctx: CheckContext, everyone: list[RankReport], decision: Decision, 
         message = f"{cause.why}: {message}"
     if before:
         extra["pre_reduction"] = [f.as_record() for f in before]
-    if held:
-        extra["held_nonfinite"] = [f.as_record() for f in held]
+    for key, prefix in (("held_nonfinite", "held:"), ("held_altered", "altered:")):
+        mine = [f.as_record() for f in held if any(r.startswith(prefix) for r in f.reasons)]
+        if mine:
+            extra[key] = mine
     if checked and sum(1 for f in found if f.nan or f.inf) >= checked:
         extra["all_gradients_nonfinite"] = True
         message += incident_text.ALL_NONFINITE_NOTE

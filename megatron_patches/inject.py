@@ -262,6 +262,18 @@ class Injector:
             and (s.rank is None or s.rank == rank)
         ]
 
+    def fire_on_optimizer(self, optimizer: Any, entries: list, stepped: Iterable[tuple[Any, Any]], step: int,
+                          rank: int) -> int:
+        """The phase=grad, phase=param and phase=state drills of ``step`` on this rank: on the gradients
+        the optimizer steps (``stepped``: (entry, gradient or None)), on its weights (``.data``: no
+        autograd record of the change) and on their Adam state. Returns how many fired."""
+        grads = [(e.info.name, e.info.order, g) for e, g in stepped if g is not None]
+        weights = [(e.info.name, e.info.order, e.main.data) for e in entries]
+        fired = self.apply(step, "grad", rank, grads) + self.apply(step, "param", rank, weights)
+        if self.due(step, "state", rank):  # the state is looked up only for a drill due now
+            fired += self.apply(step, "state", rank, faults.optimizer_state(optimizer, entries))
+        return len(fired)
+
     def apply(self, step: int, phase: str, rank: int,
               named_grads: list[tuple[str, int, torch.Tensor]], part: bool = False) -> list[str]:
         """Corrupt the due gradients on this rank. ``named_grads``: (global name, forward order, grad).

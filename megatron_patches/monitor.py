@@ -24,12 +24,13 @@ from typing import Any, NoReturn, Optional, TypeVar
 
 import torch
 
-from . import collectives, faults, inject, run_state, slow_path
+from . import collectives, inject, run_state, slow_path
 from .callbacks import Callback
 from .check import Verdict
 from .collectives import PeerLost
 from .config import Config
 from .decisions import Action, Decision, exit_code
+from .detectors import audit
 from .incidents import Outcome
 from .protocols import PreReduction, Seams
 from .run_state import RunState
@@ -138,9 +139,7 @@ class GradMonitor:
         run = self.state
         if not run.drills_checked:  # once, at the first step, when every rank is here
             run.drills_checked = True
-            inject.refuse_unmatched(run.drills, run.model_chunks.chunks_for(optimizer), self.rank,
-                                    run.seams.current_grads(optimizer, run.stage.entries_for(optimizer)),
-                                    run.seams.parallel_state())
+            self._refuse_at_start(optimizer)
         step = run.clock.tick()
         run.prepared.add(optimizer)
         if found_inf:  # fp16: the loss scaler found an overflow and skips the step
@@ -148,22 +147,26 @@ class GradMonitor:
         run.loss_scale.clear()
         entries = run.stage.entries_for(optimizer)
         if run.drills:
-            self._drill_grads(optimizer, entries, step)
+            stepped = run.seams.current_grads(optimizer, entries)
+            run.counters["injected"] += run.drills.fire_on_optimizer(optimizer, entries, stepped, step, self.rank)
         if step % run.config.check_interval:
             return False
         return self._check(optimizer, entries, step)
 
-    def _drill_grads(self, optimizer: Any, entries: list, step: int) -> None:
-        """The phase=grad, phase=param and phase=state drills of ``step``: on the gradients the
-        optimizer steps, on its weights (``.data``: no autograd record of the change) and on their
-        Adam state."""
+    def _refuse_at_start(self, optimizer: Any) -> None:
+        """Drills that cannot act, and a state audit where it cannot hold, stop every rank (exit 2)."""
         run = self.state
-        grads = [(e.info.name, e.info.order, g) for e, g in run.seams.current_grads(optimizer, entries) if g is not None]
-        weights = [(e.info.name, e.info.order, e.main.data) for e in entries]
-        fired = run.drills.apply(step, "grad", self.rank, grads) + run.drills.apply(step, "param", self.rank, weights)
-        if run.drills.due(step, "state", self.rank):  # the state is looked up only for a drill due now
-            fired += run.drills.apply(step, "state", self.rank, faults.optimizer_state(optimizer, entries))
-        run.counters["injected"] += len(fired)
+        inject.refuse_unmatched(run.drills, run.model_chunks.chunks_for(optimizer), self.rank,
+                                run.seams.current_grads(optimizer, run.stage.entries_for(optimizer)),
+                                run.seams.parallel_state())
+        if run.config.detectors.audit.enabled:
+            audit.refuse(run.seams.audit_refusal(optimizer), self.rank)
+
+    def after_update(self, optimizer: Any) -> None:
+        """Right after ``optimizer`` applied an update: the state audit fingerprints what it holds."""
+        run, entries = self.state, self.state.stage.entries_for(optimizer)
+        for detector in run.detectors:
+            detector.after_update(optimizer, entries, (run.clock.step + 1) % run.config.check_interval == 0)
 
     def before_direct_clip(self, optimizer: Any) -> None:
         """``clip_grad_norm`` called without ``prepare_grads`` first: check, zero bad grads."""
@@ -274,7 +277,7 @@ class GradMonitor:
             if step % run.config.check_interval:
                 return result
             verdict = run.stage.run(optimizer, run.stage.entries_for(optimizer), step, run.origin.take().flag,
-                                    self.overflow_mode == "saturation")
+                                    self.overflow_mode == "saturation", replay=True)
             run.stage.commit(verdict, accepted=False)  # judged, but baselines stay as they were
             try:
                 result = run.responder.replay_verdict(verdict)
@@ -319,6 +322,8 @@ class GradMonitor:
         self.state.rollbacks = rollbacks
         self.state.responder.policy.reset()
         self.state.drills.spend_started()
+        for detector in self.state.detectors:
+            detector.forget()
         self._tell("after_rollback", rollbacks)
 
     def exit(self, decision: Decision) -> NoReturn:

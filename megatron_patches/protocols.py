@@ -116,6 +116,9 @@ class Seams(Protocol):
     def current_grads(self, optimizer: Any, entries: list) -> Iterable[tuple[Any, Any]]:
         """``(entry, gradient or None)`` as the optimizer holds them now."""
 
+    def audit_refusal(self, optimizer: Any) -> Optional[str]:
+        """Why the state audit cannot run on this optimizer (one line), None where it can."""
+
     def megatron_norms(self, optimizer: Any) -> dict:
         """Per-gradient norms from the kernel call Megatron's clipping norm will make this step,
         made now and kept for it (``{(data_ptr, shape, dtype): norm}``; empty: read them yourself)."""

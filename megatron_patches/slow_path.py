@@ -65,6 +65,7 @@ def rank_report(state: RunState, verdict: Verdict, before: PreReduction,
     ranks = naming.rank_info(state.seams.parallel_state())
     findings = local_findings(state.config, state.detectors, ctx, verdict.maxabs, verdict.total_over, ranks)
     held = held_findings(ctx.entries, optimizer_states(state.stage.first_optimizer()), ranks) if ctx.entries else []
+    held += [finding for detector in state.detectors for finding in detector.held(ctx, ranks)]
     if state.drills.kills(ctx.step, rank):  # drill: this rank is lost in mid-incident
         os.kill(os.getpid(), signal.SIGKILL)
     finite = ctx.total_norm is not None and math.isfinite(ctx.total_norm)  # the same on every rank

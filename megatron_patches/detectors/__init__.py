@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from .audit import StateAudit
 from .base import CheckContext, Detector, Rotation
 from .consistency import ConsistencyDetector
 from .history import HistoryDetector
@@ -35,4 +36,6 @@ def build(config: Any, parallel_state: Callable[[], Any]) -> list:
         detectors.append(ConsistencyDetector(settings.consistency, parallel_state))
     if settings.peers.enabled:
         detectors.append(PeersDetector(settings.peers, parallel_state))
+    if settings.audit.enabled:
+        detectors.append(StateAudit(settings.audit))
     return detectors

@@ -5,7 +5,7 @@ for where collectives may go)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -25,6 +25,8 @@ class CheckContext:
     """World-wide total gradient norm; set once the reduced vector has been read."""
     layer_norms: Optional[list] = None
     """World-wide per-layer norms (layers..., embedding, output); set with total_norm."""
+    replay: bool = False
+    """The check of a replay: gradients recomputed for a step already checked, no update follows."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,19 @@ class Detector:
 
     def before_reduction(self, model_chunks: list, step: int) -> None:
         """Right before the data-parallel gradient reduction of a step."""
+
+    def after_update(self, optimizer: Any, entries: list, next_checked: bool) -> None:
+        """Right after ``optimizer`` applied an update (``entries``: all it steps); ``next_checked``:
+        whether the next step is checked."""
+
+    def forget(self) -> None:
+        """The weights and optimizer state were put back (a rollback in process)."""
+
+    def held(self, ctx: CheckContext, ranks: dict) -> list:
+        """Slow path: this rank's parameters whose held weight or optimizer state the detector found
+        corrupted (``ParamFinding``s; ``ranks``: this rank's). The ranks holding such a corruption
+        are where the fault entered (:func:`megatron_patches.findings.origins_of`)."""
+        return []
 
     def state_dict(self) -> dict:
         return {}

@@ -36,6 +36,7 @@ class MegatronSeams:
 
     build_entries = staticmethod(optimizer_params.build_entries)
     current_grads = staticmethod(optimizer_params.current_grads)
+    audit_refusal = staticmethod(optimizer_params.audit_refusal)
     covers = staticmethod(grad_sync.covers)
     reduced_in_backward = staticmethod(grad_sync.reduced_in_backward)
     named_grads = staticmethod(origin.named_grads)

@@ -113,3 +113,22 @@ def current_grads(optimizer: Any, entries: list[Entry]):
     decoupled = any(uses_decoupled_grad(leaf) for leaf in leaves(optimizer))
     for e in entries:
         yield e, optimizer_grad(e.main, decoupled)
+
+
+def audit_refusal(optimizer: Any) -> Optional[str]:
+    """Why the state audit (``detectors.audit``) cannot run on ``optimizer``, or None: it has run
+    with megatron-core's FP32, Float16 and distributed optimizers, which change the weights they step
+    and their moments in ``step_with_ready_grads`` alone."""
+    for leaf in leaves(optimizer):
+        config, ddp = getattr(leaf, "config", None), getattr(leaf, "ddp_config", None)
+        if getattr(config, "reuse_fp32_param", False):
+            return "MindSpeed's --reuse-fp32-param rewrites the weights in prepare_grads, before every update"
+        if getattr(config, "optimizer_cpu_offload", False):
+            return "--optimizer-cpu-offload keeps the weights and moments on the host, where it has not run"
+        if getattr(config, "use_precision_aware_optimizer", False):
+            return "the precision-aware optimizer keeps its weights and moments in forms it has not run on"
+        if getattr(ddp, "use_megatron_fsdp", False) or getattr(ddp, "use_custom_fsdp", False):
+            return "Megatron-FSDP has not run with it"
+        if any(type(p).__name__ == "DTensor" for group in getattr(leaf, "param_groups", []) for p in group["params"]):
+            return "fully sharded data parallel (DTensor weights) has not run with it"
+    return None

@@ -74,6 +74,14 @@ TARGETS: tuple[PatchTarget, ...] = (
         "megatron_patches.seams.wrappers.prepare_grads_wrapper",
         "Last point before clipping for fp32 training; never checks for NaN upstream.",
     ),
+    *(PatchTarget(
+        module,
+        f"{cls}.step_with_ready_grads",
+        "megatron_patches.seams.wrappers.step_with_ready_grads_wrapper",
+        "Where each optimizer applies its update: right after it, the state audit (detectors.audit, off "
+        "by default) fingerprints the weights and moments it holds, to find them altered by the next check.",
+    ) for module, cls in ((_OPT, "ChainedOptimizer"), (_OPT, "MixedPrecisionOptimizer"), (_OPT, "FP32Optimizer"),
+                          ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer"))),
     PatchTarget(
         _OPT,
         "MegatronOptimizer.clip_grad_norm",

@@ -23,6 +23,7 @@ _monitor: Optional[Any] = None
 """The one pointer to the run: the active monitor holds everything else the run keeps (its
 drills, model chunks, Megatron's rerun verdicts, the loop integration's session)."""
 _inside_check = contextvars.ContextVar("megatron_patches_inside_check", default=False)
+_inside_update = contextvars.ContextVar("megatron_patches_inside_update", default=False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,6 +86,20 @@ def _checked_prepare(optimizer: Any, call: Callable[[], bool]) -> bool:
 def prepare_grads_wrapper(wrapped, instance, args, kwargs) -> bool:
     """wrapt wrapper for every ``prepare_grads``: True means 'skip this step'."""
     return _checked_prepare(instance, lambda: wrapped(*args, **kwargs))
+
+
+def step_with_ready_grads_wrapper(wrapped, instance, args, kwargs) -> bool:
+    """wrapt wrapper for every ``step_with_ready_grads``: after the outermost one (a chain steps its
+    leaves inside its own) the guard hears that the update was applied."""
+    if _monitor is None or _inside_update.get():
+        return wrapped(*args, **kwargs)
+    token = _inside_update.set(True)
+    try:
+        success = wrapped(*args, **kwargs)
+    finally:
+        _inside_update.reset(token)
+    _monitor.after_update(instance)
+    return success
 
 
 def clip_grad_norm_wrapper(wrapped, instance, args, kwargs):
