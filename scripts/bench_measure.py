@@ -123,13 +123,19 @@ class GradReadCounter(TorchDispatchMode):
     Gradient memory: the storages of the model parameters' ``main_grad`` (DDP's buffers) and
     ``.grad``, and of the optimizer's parameters' ``.grad`` / ``decoupled_grad``, looked up at each
     op (a Float16 or distributed optimizer makes fresh main gradients in prepare_grads).
-    Destinations of ``copy_``/``zero_`` count too: the same in every variant, they cancel."""
+    Destinations of ``copy_``/``zero_`` count too: the same in every variant, they cancel.
+    Beside them, ``state_bytes``: the bytes of the weights the optimizer steps and of its state
+    tensors taken as operands (the optimizer's own update reads them in every variant alike;
+    the state audit reads them twice more per checked step)."""
 
     def __init__(self, trainer, host_reads: "HostReadCounter"):
         super().__init__()
         self.params = list(trainer.model.parameters())
-        self.params += [p for g in trainer.optimizer.param_groups for p in g["params"]]
+        self.stepped = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+        self.params += self.stepped
+        self.states = [t for p in self.stepped for t in _optimizer_state(trainer.optimizer, p)]
         self.bytes = 0
+        self.state_bytes = 0
         self.by_hook: Counter = Counter()
         """The same bytes by the monitor's hook method they were read in ("-": outside the hooks)."""
         self.host_reads = host_reads
@@ -152,8 +158,21 @@ class GradReadCounter(TorchDispatchMode):
                 grads = self._grad_storages()
                 nbytes = sum(t.numel() * t.element_size() for t in tensors if t.untyped_storage().data_ptr() in grads)
                 self.bytes += nbytes
+                held = {t.untyped_storage().data_ptr() for t in self.stepped + self.states}
+                self.state_bytes += sum(t.numel() * t.element_size() for t in tensors
+                                        if t.untyped_storage().data_ptr() in held)
                 self.by_hook[self.host_reads.hooks[-1] if self.host_reads.hooks else "-"] += nbytes
         return func(*args, **kwargs)
+
+
+def _optimizer_state(optimizer, param) -> list:
+    """The floating state tensors (Adam's moments) ``optimizer`` (megatron-core's, or a chain of
+    them) keeps for ``param``."""
+    found = []
+    for leaf in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        state = getattr(getattr(leaf, "optimizer", leaf), "state", {}).get(param, {})
+        found += [t for t in state.values() if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim()]
+    return found
 
 
 def gradient_bytes(optimizer) -> int:

@@ -128,6 +128,7 @@ class SizeBench:
         self.checked = {v: 0 for v in VARIANTS}
         self.grad_reads = {v: [] for v in VARIANTS}
         self.grad_reads_by_hook = {v: [] for v in VARIANTS}
+        self.state_reads = {v: [] for v in VARIANTS}
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.tag = size if self.world == 1 else f"{size}, {self.world} ranks"
@@ -136,9 +137,10 @@ class SizeBench:
         if self.rank == 0:
             print(f"[{self.tag}] {message}", flush=True)
 
-    def step(self, variant: str) -> dict[str, float]:
-        """One training step under ``variant``; ms of each part."""
-        self.variants.activate(variant)
+    def step(self, variant: str, activated: bool = False) -> dict[str, float]:
+        """One training step under ``variant`` (``activated``: the caller made it the active one); ms of each part."""
+        if not activated:
+            self.variants.activate(variant, self.trainer.optimizer)
         self.steps_done += 1
         for timer in self.timers.values():
             timer.reset()
@@ -213,13 +215,15 @@ class SizeBench:
                          if monitor else contextlib.nullcontext())
                 before = monitor.counters["checked_steps"] if monitor else 0
                 grad_reads = GradReadCounter(self.trainer, counter)
+                self.variants.activate(v, self.trainer.optimizer)  # outside the counters (bench_variants.Variants.activate)
                 with scope, counter, grad_reads:
-                    self.step(v)
+                    self.step(v, activated=True)
                 self.checked[v] += monitor.counters["checked_steps"] - before if monitor else 1
                 self.reads[v].append(+counter.step)  # unary + drops zero counts
                 self.in_hooks[v].append(+counter.hook)
                 self.grad_reads[v].append(grad_reads.bytes)
                 self.grad_reads_by_hook[v].append(grad_reads.by_hook)
+                self.state_reads[v].append(grad_reads.state_bytes)
             self.log(f"counting host reads, gradient reads and memory {r + 1}/{self.args.count_steps}")
 
     def n_params(self) -> int:
@@ -261,6 +265,9 @@ class SizeBench:
                 "read_passes_per_step": sum(self.grad_reads[v]) / len(self.grad_reads[v]) / grad_bytes,
                 "extra_read_passes_per_checked_step":
                     (sum(self.grad_reads[v]) - sum(self.grad_reads["A"])) / grad_bytes / checked,
+                # The weights the optimizer steps and their moments, in the same unit (the audit's reads).
+                "extra_state_read_passes_per_checked_step":
+                    (sum(self.state_reads[v]) - sum(self.state_reads["A"])) / grad_bytes / checked,
                 # Where they are read: in each of the guard's hooks, and outside them ("-", where
                 # Megatron's own norm pass, absent when the guard serves it, shows as a difference).
                 "read_passes_per_step_by_hook": {k: n / len(self.grad_reads[v]) / grad_bytes for k, n in

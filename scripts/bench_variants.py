@@ -99,7 +99,8 @@ class Variants:
             for name in HOOK_METHODS:
                 setattr(monitor, name, guard.wrap(getattr(monitor, name), name))
 
-    def activate(self, variant: str) -> None:
+    def activate(self, variant: str, optimizer: Any = None) -> None:
+        """Make ``variant`` the one the next step runs under (``optimizer``: the one it steps)."""
         # Unwrap first: patching.install() wraps whatever prepare_grads the class holds then.
         patching.uninstall()
         wrappers.set_monitor(None)
@@ -107,3 +108,11 @@ class Variants:
         if variant in self.monitors:
             patching.install()
             wrappers.set_monitor(self.monitors[variant])
+            # The other variants stepped the same optimizer since this one's last update: to its
+            # state audit that is a change outside its own updates. Its fingerprints are taken
+            # again here, outside the step (the caller activates before it times or counts), so
+            # that the step pays what a step of a real run pays: the comparison at the check and
+            # the fingerprints after the update.
+            monitor = self.monitors[variant]
+            for detector in monitor.detectors if optimizer is not None else ():
+                detector.after_update(optimizer, monitor.stage.entries_for(optimizer), True)

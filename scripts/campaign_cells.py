@@ -58,7 +58,17 @@ LASTING = ("param", "exp_avg", "exp_avg_sq")
 LAYOUTS = {  # label -> (ranks, harness flags, rank a drill on a pre-reduction/forward target binds to)
     "1rank": (1, ("--precision", "bf16"), 0),
     "dp2": (2, ("--precision", "bf16", "--distributed-optimizer"), 1),
+    "1rank+audit": (1, ("--precision", "bf16"), 0),
+    "dp2+audit": (2, ("--precision", "bf16", "--distributed-optimizer"), 1),
 }
+QUICK_LAYOUTS = ("1rank", "dp2", "dp2+audit")
+"""The quick mode's layouts; there an audited layout carries the lasting targets only (the others'
+cells are the same trainings as without the audit, bar its reads)."""
+
+
+def audited(layout: str) -> bool:
+    """Whether ``layout`` runs with the state audit on (``detectors.audit``, off by default)."""
+    return layout.endswith("+audit")
 SHARD_HOLDER = 0
 """Under DP2 with the distributed optimizer rank 0's shard holds all of PARAM (tests/test_drill_holders.py):
 grad, weight and state drills are bound to it; local and forward drills to rank 1 (a replica's own card)."""
@@ -153,15 +163,20 @@ class Cell:
         return f"{kind}:" + ",".join(k for k in keys if k)
 
     def reason(self) -> Optional[str]:
+        if audited(self.layout) and self.target in LASTING:
+            return None  # the audit compares every bit of the held state: none of these is undetectable
         scopes, why = REASONS.get((self.kind, self.target), ((), None))
         return why if self.scope in scopes else None
 
 
-def cells(quick: bool = False, layouts: tuple = tuple(LAYOUTS)) -> list[Cell]:
-    """Every cell of the menu (quick: one scope per kind), ordered layout, target, scope, kind."""
+def cells(quick: bool = False, layouts: Optional[tuple] = None) -> list[Cell]:
+    """Every cell of the menu (quick: one scope per kind, the lasting targets only where audited),
+    ordered layout, target, scope, kind; ``layouts`` default: all (quick: :data:`QUICK_LAYOUTS`)."""
     found = []
-    for layout in layouts:
+    for layout in layouts or (QUICK_LAYOUTS if quick else tuple(LAYOUTS)):
         for target in TARGETS:
+            if quick and audited(layout) and target not in LASTING:
+                continue
             for scope in SCOPES:
                 for kind in KINDS:
                     if quick and scope != QUICK_SCOPE.get(kind, "element"):

@@ -1,5 +1,6 @@
 """The fault campaign (issue 40): every fault kind x scope x target of the drills' menu, on one
-rank and on DP2 (bf16, distributed optimizer), through the tiny-GPT harness, scored strictly
+rank and on DP2 (bf16, distributed optimizer), each with the guard's defaults and with the state
+audit on (detectors.audit), through the tiny-GPT harness, scored strictly
 (scripts/campaign_cells.py says how). Writes OUT/campaign.json (or --json) and OUT/campaign.md.
 
     .venv/bin/python scripts/fault_campaign.py --out runs/campaign            # the full campaign
@@ -70,7 +71,7 @@ def run_group(group: list, workdir: Path, runner, progress) -> list[dict]:
         steps = cc.fault_step(len(pending) - 1) + cc.GAP - 1
         out = workdir / f"{pending[0].layout}-{pending[0].target}-{pending[0].scope}-{attempt}"
         config = workdir / "campaign.yaml"
-        config.write_text(CONFIG)
+        config.write_text(CONFIG + ("detectors: {audit: {enabled: true}}\n" if cc.audited(pending[0].layout) else ""))
         # Checkpoints (the rollback targets, one before each fault) only where a fault stays in the
         # weights or the optimizer state; a gradient or output fault is over once its step is skipped.
         # Each is saved two steps before a fault, so the clean check between certifies it.
@@ -183,7 +184,8 @@ def write_docs(result: dict, doc: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="one scope per kind (the CI test's cells)")
-    p.add_argument("--layouts", nargs="+", default=list(cc.LAYOUTS), choices=list(cc.LAYOUTS))
+    p.add_argument("--layouts", nargs="+", choices=list(cc.LAYOUTS),
+                   help=f"default: all ({', '.join(cc.LAYOUTS)}); --quick: {', '.join(cc.QUICK_LAYOUTS)}")
     p.add_argument("--out", default="runs/campaign", help="where the runs go (default runs/campaign)")
     p.add_argument("--json", help="write the result here (default: OUT/campaign.json)")
     p.add_argument("--per-run", type=int, default=60, help="cells carried by one training (default 60)")
@@ -203,7 +205,7 @@ def main(argv=None) -> int:
         os.makedirs(args.out, exist_ok=True)
         workdir = Path(tempfile.mkdtemp(prefix="campaign.", dir=args.out))
         started = time.time()
-        rows = campaign(cc.cells(args.quick, tuple(args.layouts)), workdir, args.per_run)
+        rows = campaign(cc.cells(args.quick, tuple(args.layouts or ())), workdir, args.per_run)
         target = Path(args.json or Path(args.out) / "campaign.json")
         result = {"meta": {"quick": args.quick, "seed": cc.SEED, "megatron_core": version("megatron-core"),
                            "seconds": time.time() - started, "cpus": os.cpu_count(), "json": str(target)},

@@ -1,5 +1,6 @@
 """The fault campaign (issue 40): its quick mode, one fault per kind x target on one rank and on
-DP2 (bf16, distributed optimizer), scores what docs/campaign_quick.json says, cell by cell; the
+DP2 (bf16, distributed optimizer), and per kind x weight or state target on DP2 with the state
+audit, scores what docs/campaign_quick.json says, cell by cell; the
 full campaign what docs/campaign.json says (slow); and the table in docs/reliability.md is the one
 scripts/fault_campaign.py generates from docs/campaign.json."""
 

@@ -10,7 +10,7 @@ a tensor whose fingerprint differs was altered between two updates. No threshold
 flipped low mantissa bit is found like a NaN.
 
 A fingerprint is two sums over the tensor: its raw bits as 32-bit integers modulo 2**32 (any single
-changed word changes it) and its values summed in float64, compared as bits (a sign flipped on
+changed word changes it) and its values summed in their own dtype, compared as bits (a sign flipped on
 an even number of elements moves the integer sum by a multiple of 2**32 and leaves it equal; the
 value sum moves by twice what was flipped). Both are read on the device; the check adds one float to
 the guard's one all-reduce (tensors altered, summed over the job).
@@ -51,9 +51,12 @@ ALTERED = "state_altered"
 
 
 def _fingerprints(tensors: list) -> torch.Tensor:
-    """Per tensor: [bit sum modulo 2**32, float64 value sum as bits], int64, shape (n, 2)."""
+    """Per tensor: [bit sum modulo 2**32, value sum as bits], int64, shape (n, 2). The value sum is
+    taken in the tensor's own dtype (float32 for the main weights and Adam's moments: no converted
+    copy) and compared as bits, so NaN equals NaN; one kernel over the same tensor of the same
+    shape adds in the same order every time."""
     words = torch.stack([_bits_sum(t) for t in tensors]).to(torch.int64)
-    values = torch.stack([t.detach().sum(dtype=torch.float64) for t in tensors]).view(torch.int64)
+    values = torch.stack([t.detach().sum().float() for t in tensors]).view(torch.int32).to(torch.int64)
     return torch.stack([words, values.to(words.device)], dim=1)
 
 
