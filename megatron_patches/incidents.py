@@ -90,16 +90,29 @@ def first_key(order: int, rank: int) -> tuple[int, int]:
     return (-order, rank)
 
 
+SHARED_REASONS = frozenset({"peer_ratio", "share", "zscore_layer", "drift_layer", "zscore_total", "drift_total",
+                            "magnitude_total"})
+"""Reasons judged on world-wide sums (a layer, the model, a tensor against its peers in the other
+layers): every rank holding a piece of the tensor gets them alike, so they say nothing of which
+rank the fault is on."""
+
+
+def _shared_only(finding: ParamFinding) -> bool:
+    return bool(finding.reasons) and set(finding.reasons) <= SHARED_REASONS
+
+
 def nearest_first(findings: Iterable[ParamFinding]) -> list[ParamFinding]:
-    """``findings`` in the order of :func:`first_of`: the first parameter leads."""
-    return sorted(findings, key=lambda f: first_key(f.order, f.ranks.get("global", 0)))
+    """``findings`` in the order of :func:`first_of`: the first parameter leads; of its pieces on
+    several ranks, one found by what its own rank read comes before those found by world-wide sums."""
+    return sorted(findings, key=lambda f: (-f.order, _shared_only(f), f.ranks.get("global", 0)))
 
 
 def first_of(findings: Iterable[ParamFinding]) -> Optional[ParamFinding]:
     """The one rule for an incident's "first parameter": the finding nearest the output (the
     largest forward ``order``), where backward met the fault first. A tie (the same parameter
     found on several ranks: tensor-parallel shards, data-parallel replicas; unnamed parameters,
-    which all have order -1) goes to the lowest global rank, then to the finding listed first.
+    which all have order -1) goes to a finding with a reason of its own rank's (not only
+    :data:`SHARED_REASONS`), then to the lowest global rank, then to the finding listed first.
     The record's ``first`` and the order of its ``params``, the message, the replay's verdict and
     :attr:`Incident.first_name` all take it from here."""
     ordered = nearest_first(findings)
@@ -191,6 +204,19 @@ class Outcome:
         return out
 
 
+def _narrow_to_traced(record: dict, forward: Optional[dict]) -> None:
+    """Tensor- and pipeline-parallel peers exchange activations within the step, so a fault that
+    entered on one of them leaves every peer's own gradients non-finite: all are ``origin_ranks``.
+    The replay's forward trace sees further: where only some of them produced the first non-finite
+    output, the fault entered there. ``origin_ranks`` becomes those ranks (the earlier set is kept
+    as ``origin_ranks_before_trace``) and the message says so."""
+    traced, origins = (forward or {}).get("ranks"), record.get("origin_ranks")
+    if traced and origins and set(traced) < set(origins):
+        record["origin_ranks_before_trace"], record["origin_ranks"] = origins, sorted(traced)
+        record["message"] += (f"; the replayed forward pass went non-finite first on rank(s) {sorted(traced)} "
+                              f"({forward.get('module')}): the fault entered there")
+
+
 @dataclass(frozen=True)
 class Incident:
     """One incident as rank 0 assembled it from every rank's findings: a value, never changed.
@@ -240,6 +266,7 @@ class Incident:
             record["ledger"] = self.ledger
         if outcome is not None:
             record.update(outcome.fields())
+            _narrow_to_traced(record, outcome.forward_origin)
         return record
 
     def _optional(self) -> dict[str, Any]:

@@ -55,11 +55,18 @@ TARGETS = {  # label -> drill keys; {rank} is filled per layout
 }
 LASTING = ("param", "exp_avg", "exp_avg_sq")
 """Targets whose fault stays (in the weights, the optimizer state) until a rollback removes it."""
-LAYOUTS = {  # label -> (ranks, harness flags, rank a drill on a pre-reduction/forward target binds to)
-    "1rank": (1, ("--precision", "bf16"), 0),
-    "dp2": (2, ("--precision", "bf16", "--distributed-optimizer"), 1),
-    "1rank+audit": (1, ("--precision", "bf16"), 0),
-    "dp2+audit": (2, ("--precision", "bf16", "--distributed-optimizer"), 1),
+LAYOUTS = {  # label -> (ranks, harness flags, rank a local/forward drill binds to, rank a grad/weight/state drill binds to)
+    "1rank": (1, ("--precision", "bf16"), 0, 0),
+    "dp2": (2, ("--precision", "bf16", "--distributed-optimizer"), 1, 0),
+    "1rank+audit": (1, ("--precision", "bf16"), 0, 0),
+    "dp2+audit": (2, ("--precision", "bf16", "--distributed-optimizer"), 1, 0),
+    # Tensor parallel: each rank holds half of fc1's rows (its own, unreduced gradient); the module's
+    # output is the same on both after fc2's all-reduce, so a forward drill makes rank 1's differ.
+    "tp2": (2, ("--precision", "bf16", "--tp", "2"), 1, 1),
+    # Pipeline parallel: layer 1 and its fc1 live on the second stage, rank 1.
+    "pp2": (2, ("--precision", "bf16", "--pp", "2"), 1, 1),
+    "tp2+audit": (2, ("--precision", "bf16", "--tp", "2"), 1, 1),
+    "pp2+audit": (2, ("--precision", "bf16", "--pp", "2"), 1, 1),
 }
 QUICK_LAYOUTS = ("1rank", "dp2", "dp2+audit")
 """The quick mode's layouts; there an audited layout carries the lasting targets only (the others'
@@ -72,6 +79,7 @@ def audited(layout: str) -> bool:
 SHARD_HOLDER = 0
 """Under DP2 with the distributed optimizer rank 0's shard holds all of PARAM (tests/test_drill_holders.py):
 grad, weight and state drills are bound to it; local and forward drills to rank 1 (a replica's own card)."""
+assert LAYOUTS["dp2"][3] == SHARD_HOLDER
 QUICK_SCOPE = {"scale:x2": "all", "scale:x1000": "all", "noise:1%": "all"}
 """Quick mode: one scope per kind, element unless named here."""
 
@@ -151,10 +159,8 @@ class Cell:
 
     def rank(self) -> int:
         """The rank the drill is bound to, which is also the rank set a strict score expects."""
-        nproc, _, own = LAYOUTS[self.layout]
-        if nproc == 1:
-            return 0
-        return own if self.target in ("local", "forward") else SHARD_HOLDER
+        _, _, own, holder = LAYOUTS[self.layout]
+        return own if self.target in ("local", "forward") else holder
 
     def spec(self, step: int) -> str:
         kind, extra = KINDS[self.kind]

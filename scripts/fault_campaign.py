@@ -67,7 +67,7 @@ def run_group(group: list, workdir: Path, runner, progress) -> list[dict]:
     rows, pending, attempt = [], list(group), 0
     while pending:
         attempt += 1
-        nproc, flags, _ = cc.LAYOUTS[pending[0].layout]
+        nproc, flags, _, _ = cc.LAYOUTS[pending[0].layout]
         steps = cc.fault_step(len(pending) - 1) + cc.GAP - 1
         out = workdir / f"{pending[0].layout}-{pending[0].target}-{pending[0].scope}-{attempt}"
         config = workdir / "campaign.yaml"
@@ -144,7 +144,8 @@ def markdown(result: dict) -> str:
               f"(seed {meta['seed']}, megatron-core {meta['megatron_core']}, {meta['seconds']:.0f} s on "
               f"{meta['cpus']} CPU cores); the JSON is `{meta['json']}`. Target parameter `{cc.PARAM}`, "
               f"module `{cc.MODULE}`; DP2 binds local and forward faults to rank 1, gradient, weight and "
-              f"state faults to rank {cc.SHARD_HOLDER} (its shard holds the parameter).", "",
+              f"state faults to rank {cc.SHARD_HOLDER} (its shard holds the parameter); TP2 and PP2 bind "
+              "every fault to rank 1 (TP: its half of the parameter; PP: the stage that holds it).", "",
               "| layout | cells | detected | strictly localized | false positives on controls | recovered | "
               "detectable: detected / localized | undetectable by design |", "|---|---|---|---|---|---|---|---|"]
     for layout, t in result["totals"].items():

@@ -44,6 +44,28 @@ def test_params_are_ordered_nearest_the_output_first_then_by_rank():
     assert rec["first"] == rec["params"][0]
 
 
+def test_of_a_tensor_found_on_several_ranks_the_one_its_own_rank_flagged_leads():
+    # Tensor parallel: peers judges world-wide sums, so both halves of fc1 carry peer_ratio; the
+    # z-score of rank 1's own half says where the fault is.
+    shared, own = finding("fc1", 9, rank=0, reasons=["peer_ratio"]), finding("fc1", 9, rank=1, reasons=["zscore", "peer_ratio"])
+    assert record([shared, own])["first"]["ranks"]["global"] == 1
+    both_shared = finding("fc1", 9, rank=1, reasons=["peer_ratio"])
+    assert record([both_shared, shared])["first"]["ranks"]["global"] == 0  # nothing local: the lowest rank
+
+
+def test_the_replay_trace_narrows_origins_shared_by_model_parallel_peers():
+    from megatron_patches.incidents import _narrow_to_traced
+
+    rec = {"origin_ranks": [0, 1], "message": "nan gradient ...; entered on rank(s) [0, 1]"}
+    _narrow_to_traced(rec, {"module": "decoder.layers.1.mlp", "layer": 1, "ranks": [1]})
+    assert rec["origin_ranks"] == [1] and rec["origin_ranks_before_trace"] == [0, 1]
+    assert rec["message"].endswith("went non-finite first on rank(s) [1] (decoder.layers.1.mlp): the fault entered there")
+    for origins, traced in (([1], [1]), ([0, 1], [2]), ([0, 1], None), (None, [1])):
+        rec = {"origin_ranks": origins, "message": "m"}
+        _narrow_to_traced(rec, {"module": "x", "ranks": traced} if traced else None)
+        assert rec == {"origin_ranks": origins, "message": "m"}
+
+
 def test_a_known_origin_leads_as_first():
     origin = finding("embedding.word_embeddings.weight", 0, rank=1, reasons=["nan"])
     rec = record([finding("output_layer.weight", 9)], first=origin)
