@@ -40,9 +40,9 @@ install: $(STAMP)
 
 # The CI suite: real tiny-GPT trainings on CPU (several ranks forked from pytest, or under
 # torchrun where the launcher is the subject). On the 0.17+ lines it leaves out the tests marked
-# one_line (see tests/conftest.py).
+# one_line (see tests/conftest.py). The 15 slowest tests are listed at the end (CI's time budget).
 test: install
-	$(VPY) -m pytest -q -m "not slow and not bench" $(PYTEST_ARGS) tests
+	$(VPY) -m pytest -q -m "not slow and not bench" --durations=15 $(PYTEST_ARGS) tests
 
 # Units and one-rank runs forked from pytest: no test of several ranks (multiproc) or of a fresh
 # process (process), none slow; under 3 minutes on the 3.11 leg here.

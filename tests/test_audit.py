@@ -53,15 +53,21 @@ def test_held_state_altered_between_updates_is_named_where_held_and_rolled_back(
     assert 25 not in {r["step"] for r in off.incidents}
 
 
-def test_two_sign_flips_leave_the_bit_sum_and_not_the_fingerprint():
-    x = torch.tensor([1.5, -2.25, 3.0, 0.75])
-    flipped = x.clone()
-    flipped[0], flipped[1] = -flipped[0], -flipped[1]  # each flip moves the 32-bit word by 2**31
-    before, after = audit._fingerprints([x]), audit._fingerprints([flipped])
-    assert before[0, 0] == after[0, 0] and before[0, 1] != after[0, 1]
-    low = x.clone()
-    low.view(torch.int32)[2] ^= 1  # the lowest mantissa bit: the value sum may round it away
-    assert audit._fingerprints([low])[0, 0] != before[0, 0]
+def test_changes_that_cancel_in_plain_sums_change_the_fingerprint():
+    from megatron_patches.detectors.consistency import _bits_sum
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    signs = x.clone()
+    signs[:2] = -signs[:2]  # each flip moves its 32-bit word by 2**31: two cancel in a word sum
+    lows = x.clone()
+    words = lows.view(torch.int32)
+    odd = (words & 1).bool()
+    flipped = torch.cat([odd.nonzero()[:32, 0], (~odd).nonzero()[:32, 0]])
+    words[flipped] ^= 1  # the lowest bit of 64 words, 32 cleared and 32 set: the word sum is the same
+    print_ = audit._fingerprints([x])
+    assert _bits_sum(signs) == _bits_sum(x) and audit._fingerprints([signs]) != print_
+    assert _bits_sum(lows) == _bits_sum(x) and audit._fingerprints([lows]) != print_
+    assert audit._fingerprints([x.clone()]) == print_
 
 
 @pytest.mark.parametrize("leaf, refused", [

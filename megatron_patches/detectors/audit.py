@@ -9,16 +9,17 @@ check, after the step's gradients are made and before they are applied, it finge
 a tensor whose fingerprint differs was altered between two updates. No threshold, no history: a
 flipped low mantissa bit is found like a NaN.
 
-A fingerprint is two sums over the tensor: its raw bits as 32-bit integers modulo 2**32 (any single
-changed word changes it) and its values summed in their own dtype, compared as bits (a sign flipped on
-an even number of elements moves the integer sum by a multiple of 2**32 and leaves it equal; the
-value sum moves by twice what was flipped). Both are read on the device; the check adds one float to
-the guard's one all-reduce (tensors altered, summed over the job).
+A fingerprint is one sum over the tensor's 32-bit words, each first put through a fixed bijective
+mix (xor-shift, multiply by an odd constant, xor-shift), modulo 2**32: any one changed word changes
+it, and changes to several words cancel only by chance, about once in 2**32. (A plain sum of the
+words misses two sign flips, or as many lowest bits set as cleared; a sum of the values misses
+what rounding swallows: the campaign met both.) Read on the device; the check adds one float to the
+guard's one all-reduce (tensors altered, summed over the job).
 
-Cost, and why it is off by default: two reads of every weight and moment the rank steps per checked
-step, each read taking two reductions: about twelve gradient read passes (the weight and each moment
-are as large as the fp32 gradient), against the default's limit of 0.1. On an accelerator a read pass
-of a rank's shard takes a millisecond or two, so the audit costs tens of milliseconds per step:
+Cost, and why it is off by default: every weight and moment the rank steps is read twice per
+checked step (six gradient read passes: the weight and each moment are as large as the fp32
+gradient), and each read mixes the words in chunks, a few element-wise operations on a small
+buffer, against the default's limit of 0.1 read passes. ``make bench`` times it (variant C):
 meant for fire drills, for a card under suspicion, and for runs where silent corruption must be
 caught at any cost (``docs/detectors.md``).
 
@@ -42,7 +43,6 @@ from ..collectives import local_shard
 from ..faults import optimizer_states
 from ..incidents import ParamFinding
 from .base import CheckContext, Detector
-from .consistency import _bits_sum
 
 log = logging.getLogger("megatron_patches")
 
@@ -50,14 +50,37 @@ ALTERED = "state_altered"
 """The kind flagged when a held weight or moment changed between two updates."""
 
 
+_CHUNK = 1 << 20
+"""Words mixed at a time: the temporaries of :func:`_mixed_sum` stay at two such chunks."""
+_MUL = 0x45D9F3B  # an odd multiplier: multiplying by it modulo 2**32 is a bijection
+_LOW16 = 0xFFFF
+
+
+def _mixed_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum modulo 2**32 of every 32-bit word of ``tensor``, each first put through the same
+    bijective mix (xor-shift, multiply, xor-shift): one changed word changes the sum, and several
+    changed words cancel only by chance (about one in 2**32), whatever their pattern (two sign
+    flips, as many low bits set as cleared). A plain sum of the words misses both. 0-d int64."""
+    flat = tensor.detach().reshape(-1)
+    if flat.element_size() in (4, 8):
+        flat = flat.view(torch.int32)  # 8-byte elements: two words each
+    else:  # 2-byte (and 1-byte) elements widened one to a word
+        flat = flat.view(torch.int16 if flat.element_size() == 2 else torch.uint8).to(torch.int32)
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), _CHUNK):
+        x = flat[start:start + _CHUNK].clone()
+        shifted = (x >> 16) & _LOW16  # a logical shift: the mix stays a bijection
+        x ^= shifted
+        x *= _MUL  # wraps modulo 2**32
+        torch.bitwise_and(x >> 16, _LOW16, out=shifted)
+        x ^= shifted
+        total += x.sum(dtype=torch.int64)
+    return total & 0xFFFFFFFF
+
+
 def _fingerprints(tensors: list) -> torch.Tensor:
-    """Per tensor: [bit sum modulo 2**32, value sum as bits], int64, shape (n, 2). The value sum is
-    taken in the tensor's own dtype (float32 for the main weights and Adam's moments: no converted
-    copy) and compared as bits, so NaN equals NaN; one kernel over the same tensor of the same
-    shape adds in the same order every time."""
-    words = torch.stack([_bits_sum(t) for t in tensors]).to(torch.int64)
-    values = torch.stack([t.detach().sum().float() for t in tensors]).view(torch.int32).to(torch.int64)
-    return torch.stack([words, values.to(words.device)], dim=1)
+    """Per tensor: :func:`_mixed_sum` of its words, int64, shape (n,)."""
+    return torch.stack([_mixed_sum(t) for t in tensors])
 
 
 def refuse(why: Optional[str], rank: int) -> None:
@@ -125,7 +148,7 @@ class StateAudit(Detector):
         if keys != self._keys:  # other tensors than fingerprinted (a load replaced them): no comparison
             self.forget()
             return
-        self._changed = (_fingerprints(tensors) != self._baseline).any(dim=1)
+        self._changed = _fingerprints(tensors) != self._baseline
         out[0] = self._changed.sum().to(out.device)
 
     def verdict(self, ctx: CheckContext, reduced: list) -> list:
