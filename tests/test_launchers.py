@@ -126,6 +126,7 @@ def test_slurm_requeues_a_rollback_and_the_job_resumes_from_the_healthy_checkpoi
     assert ledger.rollbacks == 1 and ledger.events[1]["resumed_from"] == 2
 
 
+@pytest.mark.slow  # make test-all: CI keeps the requeue above within its time budget
 @pytest.mark.multiproc
 @needs_packaged_loop
 def test_slurm_never_requeues_a_critical_stop_standin(tmp_path):

@@ -55,6 +55,7 @@ def _packaged_loop() -> bool:
         return False
 
 
+@pytest.mark.slow  # make test-all (about 40 s): outside CI's time budget
 @pytest.mark.multiproc
 @pytest.mark.skipif(not _packaged_loop(), reason="the installed megatron-core ships no megatron/training "
                     "(0.17+ does: make test PYTHON=python3.12 VENV=.venv312)")
