@@ -133,7 +133,8 @@ class AuditConfig:
     """Fingerprint the weights each rank's optimizer steps and their Adam moments right after every
     update and again at the next check: a tensor changed in between was corrupted (any bit, no
     threshold), and the rank holding it is named. Off by default: two reads of the weights and
-    moments per checked step (about 12 gradient read passes; docs/detectors.md, "audit")."""
+    moments per checked step (6 gradient read passes, each mixing the words it reads;
+    docs/detectors.md, "audit")."""
 
 
 @dataclass(frozen=True, kw_only=True)
