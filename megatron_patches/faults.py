@@ -110,6 +110,14 @@ def optimizer_states(optimizer: Any) -> dict[int, Mapping[str, Any]]:
     return states
 
 
+def held_tensors(weight: torch.Tensor, states: Mapping[int, Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """What a rank holds for a weight its optimizer steps (an entry's ``main``: the main weight or
+    its shard): ``weight`` itself and each floating state tensor of it (``exp_avg``, ``exp_avg_sq``;
+    ``states``: :func:`optimizer_states`), in name order."""
+    return {"weight": weight, **{key: value for key, value in sorted(states.get(id(weight), {}).items())
+                                 if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0}}
+
+
 def optimizer_state(optimizer: Any, entries: list) -> list[tuple[str, int, Mapping[str, torch.Tensor]]]:
     """(global name, forward order, Adam state) of each of ``entries`` (the monitor's, for one
     optimizer) whose main weight has a state in the optimizer this rank steps (under the

@@ -19,6 +19,7 @@ from . import incident_text, moe_routing, naming
 from .decisions import Decision
 from .detectors import CheckContext
 from .collectives import local_shard
+from .faults import held_tensors
 from .incidents import Incident, ParamFinding, finite_or_none, first_of
 
 _BUILT_IN_KINDS = ("nan", "inf", "overflow", "magnitude")
@@ -95,8 +96,7 @@ def held_findings(entries: list, states: Mapping[int, Mapping[str, Any]], ranks:
     host, device = naming.host(), naming.device_name()
     found = []
     for entry in entries:
-        tensors = {"weight": entry.main, **{key: value for key, value in sorted(states.get(id(entry.main), {}).items())
-                                            if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0}}
+        tensors = held_tensors(entry.main, states)
         nan = inf = extreme = 0
         reasons = []
         for what, tensor in tensors.items():

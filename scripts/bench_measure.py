@@ -16,6 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron_patches.faults import held_tensors, optimizer_states
 from megatron_patches.seams import wrappers
 
 HOOK_METHODS = tuple(sorted(set(re.findall(r"_monitor\.(\w+)\(", inspect.getsource(wrappers)))))
@@ -133,7 +134,8 @@ class GradReadCounter(TorchDispatchMode):
         self.params = list(trainer.model.parameters())
         self.stepped = [p for g in trainer.optimizer.param_groups for p in g["params"]]
         self.params += self.stepped
-        self.states = [t for p in self.stepped for t in _optimizer_state(trainer.optimizer, p)]
+        states = optimizer_states(trainer.optimizer)
+        self.states = [t for p in self.stepped for what, t in held_tensors(p, states).items() if what != "weight"]
         self.bytes = 0
         self.state_bytes = 0
         self.by_hook: Counter = Counter()
@@ -163,16 +165,6 @@ class GradReadCounter(TorchDispatchMode):
                                         if t.untyped_storage().data_ptr() in held)
                 self.by_hook[self.host_reads.hooks[-1] if self.host_reads.hooks else "-"] += nbytes
         return func(*args, **kwargs)
-
-
-def _optimizer_state(optimizer, param) -> list:
-    """The floating state tensors (Adam's moments) ``optimizer`` (megatron-core's, or a chain of
-    them) keeps for ``param``."""
-    found = []
-    for leaf in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        state = getattr(getattr(leaf, "optimizer", leaf), "state", {}).get(param, {})
-        found += [t for t in state.values() if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim()]
-    return found
 
 
 def gradient_bytes(optimizer) -> int:

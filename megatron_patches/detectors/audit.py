@@ -40,7 +40,7 @@ import torch
 from .. import naming
 from ..errors import exit_refused
 from ..collectives import local_shard
-from ..faults import optimizer_states
+from ..faults import held_tensors, optimizer_states
 from ..incidents import ParamFinding
 from .base import CheckContext, Detector
 
@@ -115,9 +115,7 @@ class StateAudit(Detector):
         for i, entry in enumerate(entries):
             if entry.main is None:
                 continue
-            held = {"weight": entry.main, **{key: value for key, value in sorted(states.get(id(entry.main), {}).items())
-                                             if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0}}
-            for what, tensor in held.items():
+            for what, tensor in held_tensors(entry.main, states).items():
                 local = local_shard(tensor).detach()
                 if local.numel():
                     keys.append((i, what, local.data_ptr()))
