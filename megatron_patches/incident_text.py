@@ -85,7 +85,8 @@ def _entry(rec: dict) -> Optional[dict]:
               and ranks_of(p).get("global") in origins] if isinstance(rec.get("pre_reduction"), list) else []
     if before and ranks_of(first).get("global") not in origins:
         return min(before, key=lambda p: first_key(p.get("order") if isinstance(p.get("order"), int) else -1,
-                                                   ranks_of(p).get("global", 0)))
+                                                   ranks_of(p).get("global", 0),
+                                                   p["reasons"] if isinstance(p.get("reasons"), list) else ()))
     return first
 
 

@@ -84,12 +84,6 @@ class ParamFinding:
         return out
 
 
-def first_key(order: int, rank: int) -> tuple[int, int]:
-    """Where a finding of forward ``order`` on global ``rank`` stands in the rule of :func:`first_of`
-    (smaller first); a record's dicts are ordered with it too (:mod:`~megatron_patches.incident_text`)."""
-    return (-order, rank)
-
-
 SHARED_REASONS = frozenset({"peer_ratio", "share", "zscore_layer", "drift_layer", "zscore_total", "drift_total",
                             "magnitude_total"})
 """Reasons judged on world-wide sums (a layer, the model, a tensor against its peers in the other
@@ -97,14 +91,18 @@ layers): every rank holding a piece of the tensor gets them alike, so they say n
 rank the fault is on."""
 
 
-def _shared_only(finding: ParamFinding) -> bool:
-    return bool(finding.reasons) and set(finding.reasons) <= SHARED_REASONS
+def first_key(order: int, rank: int, reasons: Iterable[str] = ()) -> tuple[int, bool, int]:
+    """Where a finding of forward ``order`` on global ``rank`` with ``reasons`` stands in the rule of
+    :func:`first_of` (smaller first); a record's dicts are ordered with it too
+    (:mod:`~megatron_patches.incident_text`)."""
+    reasons = set(reasons)
+    return (-order, bool(reasons) and reasons <= SHARED_REASONS, rank)
 
 
 def nearest_first(findings: Iterable[ParamFinding]) -> list[ParamFinding]:
     """``findings`` in the order of :func:`first_of`: the first parameter leads; of its pieces on
     several ranks, one found by what its own rank read comes before those found by world-wide sums."""
-    return sorted(findings, key=lambda f: (-f.order, _shared_only(f), f.ranks.get("global", 0)))
+    return sorted(findings, key=lambda f: first_key(f.order, f.ranks.get("global", 0), f.reasons))
 
 
 def first_of(findings: Iterable[ParamFinding]) -> Optional[ParamFinding]:
