@@ -164,8 +164,10 @@ class CheckStage:
                 vec[_NONFINITE] = (~torch.isfinite(norms)).sum()
             if detectors.magnitude.enabled and detectors.magnitude.param_norm_max is not None:
                 vec[_OVER_PARAM] = (norms > detectors.magnitude.param_norm_max).sum()
-            if saturation:
-                maxabs = torch.stack(torch._foreach_norm(grads, float("inf"))).float()
+            if saturation or any(d.wants_maxabs for d in self.detectors):
+                ctx.maxabs = torch.stack(torch._foreach_norm(grads, float("inf"))).float()
+            if saturation:  # the findings' overflow counts come with the saturation check only
+                maxabs = ctx.maxabs
                 vec[_SATURATED] = (maxabs >= limits).sum()
             squares = norms.square() * weights
             vec[_TOTAL_SQ] = squares.sum()

@@ -138,6 +138,23 @@ class AuditConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PeakConfig:
+    enabled: bool = False
+    """Judge each gradient tensor's crest factor (its largest magnitude over its RMS) against the
+    tensor's own history: a few elements gone far off while the norm barely moves (one element
+    x1,000 lifts a 16k-element tensor's norm only 8x). Off by default: one more read of every
+    gradient per checked step (free on an Ascend part in saturation mode, which reads it anyway)."""
+    ema_beta: float = field(default=0.98, metadata={"check": check.fraction})
+    """Decay of the moving mean and variance of log(crest factor) per checked step."""
+    warmup_steps: int = field(default=20, metadata={"check": check.at_least_one})
+    """Accepted samples a tensor needs before it is judged (a restored baseline counts)."""
+    zscore: float = field(default=8.0, metadata={"check": check.positive})
+    """Flag a log crest factor more than this many standard deviations above its moving mean..."""
+    min_ratio: float = field(default=8.0, metadata={"check": check.at_least_one})
+    """...and more than this many times its baseline exp(mean)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class DetectorsConfig:
     nonfinite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
     """NaN/Inf check."""
@@ -153,6 +170,8 @@ class DetectorsConfig:
     """Each tensor against the same tensor in the other layers, from the first step (docs/detectors.md)."""
     audit: AuditConfig = field(default_factory=AuditConfig)
     """Held weights and optimizer state compared across the time between two updates (docs/detectors.md)."""
+    peak: PeakConfig = field(default_factory=PeakConfig)
+    """Each gradient's largest magnitude over its RMS against its own history (docs/detectors.md)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -163,7 +163,7 @@ class Seams(Protocol):
     def rerun_watch(self) -> RerunWatch:
         """A new run's watch on Megatron's rerun state machine."""
 
-    def origin_watch(self, enabled: bool) -> OriginWatch:
+    def origin_watch(self, enabled: bool, peak_ratio: Optional[float] = None) -> OriginWatch:
         """A new run's pre-reduction origin watch (``response.origin_check``)."""
 
     def loss_scale_watch(self, settings: Any) -> LossScaleWatch:

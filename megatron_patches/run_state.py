@@ -157,7 +157,8 @@ def build(config: Config, seams: Seams) -> RunState:
         config=config, seams=seams, report_dir=report_dir,
         drills=drills, model_chunks=model_chunks, rerun=seams.rerun_watch(), peers=peers,
         detectors=detectors, stage=CheckStage(config, detectors, peers, model_chunks, seams),
-        origin=seams.origin_watch(config.response.origin_check),
+        origin=seams.origin_watch(config.response.origin_check, config.detectors.peak.min_ratio
+                                  if config.detectors.peak.enabled else None),
         routing=RoutingWatch(clock.upcoming, lambda step: step % config.check_interval == 0),
         loss_scale=seams.loss_scale_watch(config.detectors.loss_scale),
         responder=Responder(config, detectors, peers, seams.record_fields, seams.parallel_state),

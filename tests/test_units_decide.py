@@ -220,7 +220,7 @@ def test_own_gradient_norms_are_judged_against_their_running_mean_which_only_cle
     params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))]
 
     def ratios(norms):
-        return watch._ratios("chunks", (None, params, torch.tensor(norms)))[2].tolist()
+        return watch._ratios("chunks", torch.tensor(norms)).tolist()
 
     assert ratios([1.0, 2.0]) == [0.0, 0.0]
     watch.commit(accepted=True)
@@ -228,3 +228,31 @@ def test_own_gradient_norms_are_judged_against_their_running_mean_which_only_cle
     watch.commit(accepted=False)  # flagged: the jump stays out of the mean
     assert ratios([1.0, 2.0]) == [1.0, 1.0]
     assert ratios([float("nan"), 4.0])[0] == 0.0  # a non-finite norm is the other check's business
+
+
+def test_with_the_peak_detector_on_the_pass_before_the_reduction_judges_crest_factors_too():
+    """One element x1,000 on one replica lifts its tensor's norm about 8x (under LOCAL_JUMP) but its
+    crest factor far more: with ``peak_ratio`` the pass keeps a second series, of crest factors,
+    whose jump names the rank (reason ``local_peak``, the peak detector's threshold)."""
+    from megatron_patches.seams.origin import LOCAL_JUMP, OriginWatch, _fused_norms
+
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.zeros(128, 128))
+    grad = torch.randn(128, 128)
+    param.grad = grad.clone()
+    held, norms, crests = _fused_norms([param], crests=True)
+    assert held == [param] and crests is not None
+    assert crests.item() == pytest.approx(float(grad.abs().max() * 128 / grad.norm()), rel=1e-5)
+    assert _fused_norms([param])[2] is None  # no second read without the peak detector
+
+    watch = OriginWatch(enabled=True, peak_ratio=8.0)
+    first = watch._jumps("chunks", None, held, norms, crests)
+    assert [(j[3], j[4]) for j in first] == [("local_jump", LOCAL_JUMP), ("local_peak", 8.0)]
+    watch.commit(accepted=True)
+    spiked = grad.clone()
+    spiked[3, 4] = grad.abs().mean() * 1000
+    param.grad = spiked
+    _, norms, crests = _fused_norms([param], crests=True)
+    norm_jump, crest_jump = (j[2].item() for j in watch._jumps("chunks", None, held, norms, crests))
+    assert norm_jump < LOCAL_JUMP < crest_jump
+    assert len(OriginWatch(enabled=True)._jumps("chunks", None, held, norms, None)) == 1

@@ -20,6 +20,7 @@ from .audit import StateAudit
 from .base import CheckContext, Detector, Rotation
 from .consistency import ConsistencyDetector
 from .history import HistoryDetector
+from .peak import PeakDetector
 from .peers import PeersDetector
 
 __all__ = ["CheckContext", "Detector", "Rotation", "build"]
@@ -38,4 +39,6 @@ def build(config: Any, parallel_state: Callable[[], Any]) -> list:
         detectors.append(PeersDetector(settings.peers, parallel_state))
     if settings.audit.enabled:
         detectors.append(StateAudit(settings.audit))
+    if settings.peak.enabled:
+        detectors.append(PeakDetector(settings.peak))
     return detectors

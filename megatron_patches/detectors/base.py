@@ -27,6 +27,9 @@ class CheckContext:
     """World-wide per-layer norms (layers..., embedding, output); set with total_norm."""
     replay: bool = False
     """The check of a replay: gradients recomputed for a step already checked, no update follows."""
+    maxabs: Optional[torch.Tensor] = None
+    """Each gradient's largest magnitude on the device (fp32), taken where the saturation check or a
+    detector with :attr:`Detector.wants_maxabs` needs it (one fused pass); None otherwise."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,9 @@ class Detector:
     """Base class: override what you need. Every method runs on every rank."""
 
     name = "detector"
+    wants_maxabs = False
+    """Whether :meth:`local` reads ``ctx.maxabs`` (the check then takes it: one more read pass,
+    shared with the saturation check where that runs)."""
 
     def width(self) -> int:
         """Floats this detector adds to the reduced vector; fixed for the run (after

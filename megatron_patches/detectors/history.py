@@ -111,9 +111,12 @@ class _Stats:
         z = dev / xp.clip(xp.sqrt(self.var), _MIN_SD, None)
         floor = math.log(cfg.min_ratio if min_ratio is None else min_ratio)
         zflag = valid & warmed & (z > cfg.zscore) & (dev > floor)
-        grow = valid & (self.count > 0) & (logn - self.last > math.log(cfg.drift_ratio))
-        run = xp.where(grow, self.run + 1, xp.zeros_like(self.run))
-        dflag = valid & warmed & (run >= cfg.drift_steps) & drift
+        if drift:
+            grow = valid & (self.count > 0) & (logn - self.last > math.log(cfg.drift_ratio))
+            run = xp.where(grow, self.run + 1, xp.zeros_like(self.run))
+            dflag = valid & warmed & (run >= cfg.drift_steps)
+        else:  # per-tensor series: no growth rule (see the module docstring)
+            run, dflag = xp.zeros_like(self.run), valid & False
         return _Judged(logn, valid, z, zflag, dflag, run)
 
     def update(self, j: _Judged, cfg: Any) -> None:
@@ -129,6 +132,53 @@ class _Stats:
         self.run = xp.where(j.valid, j.run, self.run)
 
 
+
+class ParamSeries:
+    """One :class:`_Stats` row per parameter tensor of this rank, on the device, kept in the order of
+    the check's entries: rows follow a parameter by (name, shape) when the entries change (a
+    restart, a new optimizer) and start fresh for a new one. Vocabulary tensors are never judged
+    (:func:`is_vocabulary`): ``judged`` is False for them."""
+
+    def __init__(self) -> None:
+        self.stats: Optional[_Stats] = None
+        self.keys: Optional[tuple] = None  # (name, shape) per row
+        self.judged: Optional[torch.Tensor] = None
+        self._layout: Optional[tuple] = None
+        self._loaded: Optional[dict] = None
+
+    def rows(self, ctx: CheckContext) -> _Stats:
+        """The statistics for ``ctx.entries``, in their order."""
+        layout = tuple(map(id, ctx.entries))
+        if layout == self._layout and self.stats is not None:
+            return self.stats
+        keys = tuple((e.info.name, tuple(e.model.shape)) for e in ctx.entries)
+        if self.stats is not None and self.keys is not None:
+            source, old_keys = self.stats, self.keys
+        elif self._loaded is not None:
+            source = _Stats.from_lists(self._loaded, torch.device("cpu"))
+            old_keys = tuple((n, tuple(s)) for n, s in zip(self._loaded["names"], self._loaded["shapes"]))
+            self._loaded = None
+        else:
+            source, old_keys = None, ()
+        where = {k: i for i, k in enumerate(old_keys)}
+        index = [where.get(k, -1) for k in keys]
+        self.stats = source.take(index, ctx.device) if source is not None else _Stats(len(keys), ctx.device)
+        self.keys, self._layout = keys, layout
+        self.judged = torch.tensor([not is_vocabulary(k[0]) for k in keys], dtype=torch.bool, device=ctx.device)
+        return self.stats
+
+    def state(self) -> Optional[dict]:
+        """Names, shapes and statistics (lists), or None with none kept."""
+        if self.stats is not None and self.keys is not None:
+            return {"names": [k[0] for k in self.keys], "shapes": [list(k[1]) for k in self.keys],
+                    **self.stats.to_lists()}
+        return self._loaded  # loaded, no step checked since
+
+    def load(self, lists: Optional[dict]) -> None:
+        """Keep ``lists`` (from :meth:`state`) until the next check matches them to its entries."""
+        self.stats, self.keys, self.judged, self._layout, self._loaded = None, None, None, None, lists
+
+
 class HistoryDetector(Detector):
     """z-score outliers (kind ``zscore``) and sustained growth (kind ``drift``) of gradient norms."""
 
@@ -139,15 +189,11 @@ class HistoryDetector(Detector):
         self._rotation = Rotation(cfg.interval, cfg.sample_fraction)
         self._checks = 0
         self._active = False
-        self._keys: Optional[tuple] = None
-        self._layout: Optional[tuple] = None
-        self._params: Optional[_Stats] = None
+        self._series = ParamSeries()
         self._total: Optional[_Stats] = None
         self._layers: Optional[_Stats] = None
-        self._loaded: Optional[dict] = None
         self._judged: dict[str, Optional[_Judged]] = {}
         self._param_flags = 0.0
-        self._judged_rows: Optional[torch.Tensor] = None  # False for vocabulary tensors (is_vocabulary)
 
     # --- fast path -------------------------------------------------------------------
 
@@ -160,10 +206,10 @@ class HistoryDetector(Detector):
         self._judged = {}
         if not self._active or not self.cfg.per_param or ctx.norms is None:
             return
-        stats = self._param_stats(ctx)
+        stats = self._series.rows(ctx)
         # Parameters are judged by z-score only: per-tensor norms (biases, norms) are too noisy
         # for a per-step growth rule; a growth that matters shows in its layer's norm.
-        mask = self._sample_mask(len(ctx.entries), ctx.device) & self._judged_rows
+        mask = self._sample_mask(len(ctx.entries), ctx.device) & self._series.judged
         judged = self._judged["params"] = stats.judge(shares(ctx.norms), mask, self.cfg, drift=False)
         out[_Z] = judged.zflag.sum()
 
@@ -189,7 +235,7 @@ class HistoryDetector(Detector):
 
     def commit(self, ctx: CheckContext, accepted: bool) -> None:
         if self._active and accepted:
-            for level, stats in (("params", self._params), ("total", self._total), ("layers", self._layers)):
+            for level, stats in (("params", self._series.stats), ("total", self._total), ("layers", self._layers)):
                 if self._judged.get(level) is not None and stats is not None:
                     stats.update(self._judged[level], self.cfg)
         self._judged = {}
@@ -223,7 +269,8 @@ class HistoryDetector(Detector):
     def _largest_contributor(self, ctx: CheckContext, norm_list: list, slots: Optional[set]) -> Optional[int]:
         """The parameter whose squared norm rose most above its own baseline (its baseline share
         of the rest of this rank's gradient, at this step's rest)."""
-        baseline = self._params.mean.exp().tolist() if self._params is not None and self.cfg.per_param else None
+        params = self._series.stats
+        baseline = params.mean.exp().tolist() if params is not None and self.cfg.per_param else None
         finite = [n if math.isfinite(n) else 0.0 for n in norm_list]
         whole = sum(n * n for n in finite)
         best, best_rise = None, 0.0
@@ -268,11 +315,9 @@ class HistoryDetector(Detector):
 
     def state_dict(self) -> dict:
         state: dict[str, Any] = {"version": _STATE_VERSION, "checks": self._checks}
-        if self._params is not None and self._keys is not None:
-            state["params"] = {"names": [k[0] for k in self._keys], "shapes": [list(k[1]) for k in self._keys],
-                               **self._params.to_lists()}
-        elif self._loaded is not None and "params" in self._loaded:
-            state["params"] = self._loaded["params"]  # loaded but no step checked since
+        params = self._series.state()
+        if params is not None:
+            state["params"] = params
         for level in ("total", "layers"):
             stats = getattr(self, f"_{level}")
             if stats is not None:
@@ -285,14 +330,14 @@ class HistoryDetector(Detector):
         self._checks = int(state.get("checks", 0))
         if state.get("version", 1) != _STATE_VERSION:
             log.warning("history: the saved baseline is of an older kind (raw norms, not shares); warming up again")
-            self._total = self._layers = self._params = self._keys = self._layout = self._loaded = None
+            self._total = self._layers = None
+            self._series.load(None)
             return
         for level in ("total", "layers"):
             lists = state.get(level)
             setattr(self, f"_{level}", _Stats.from_lists(lists) if lists else None)
         # Per-parameter rows are matched by (name, shape) at the next check, on the device.
-        self._loaded = {"params": state["params"]} if "params" in state else None
-        self._params, self._keys, self._layout = None, None, None
+        self._series.load(state.get("params"))
 
     # --- helpers ---------------------------------------------------------------------
 
@@ -303,30 +348,9 @@ class HistoryDetector(Detector):
         if params is not None:
             line["params"] = params.logn.tolist()
             if not os.path.exists(os.environ[_TRACE]):
-                line["names"] = [k[0] for k in self._keys or ()]
+                line["names"] = [k[0] for k in self._series.keys or ()]
         with open(os.environ[_TRACE], "a", encoding="utf-8") as handle:
             handle.write(json.dumps(line) + "\n")
-
-    def _param_stats(self, ctx: CheckContext) -> _Stats:
-        layout = tuple(map(id, ctx.entries))
-        if layout == self._layout and self._params is not None:
-            return self._params
-        keys = tuple((e.info.name, tuple(e.model.shape)) for e in ctx.entries)
-        if self._params is not None and self._keys is not None:
-            source, old_keys = self._params, self._keys
-        elif self._loaded is not None and "params" in self._loaded:
-            lists = self._loaded["params"]
-            source = _Stats.from_lists(lists, torch.device("cpu"))
-            old_keys = tuple((n, tuple(s)) for n, s in zip(lists["names"], lists["shapes"]))
-            self._loaded = None
-        else:
-            source, old_keys = None, ()
-        where = {k: i for i, k in enumerate(old_keys)}
-        index = [where.get(k, -1) for k in keys]
-        self._params = source.take(index, ctx.device) if source is not None else _Stats(len(keys), ctx.device)
-        self._keys, self._layout = keys, layout
-        self._judged_rows = torch.tensor([not is_vocabulary(k[0]) for k in keys], dtype=torch.bool, device=ctx.device)
-        return self._params
 
     def _sample_mask(self, size: int, device: torch.device) -> torch.Tensor:
         """Every parameter when ``sample_fraction`` is 1, else a rotating 1/m of them."""

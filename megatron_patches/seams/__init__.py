@@ -21,7 +21,7 @@ Importing this package changes nothing; the wrappers are installed through :mod:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from ..config import Config
 from ..monitor import GradMonitor
@@ -61,8 +61,8 @@ class MegatronSeams:
     def rerun_watch(self) -> rerun_machine.RerunWatch:
         return rerun_machine.RerunWatch()
 
-    def origin_watch(self, enabled: bool) -> origin.OriginWatch:
-        return origin.OriginWatch(enabled)
+    def origin_watch(self, enabled: bool, peak_ratio: Optional[float] = None) -> origin.OriginWatch:
+        return origin.OriginWatch(enabled, peak_ratio)
 
     def loss_scale_watch(self, settings: Any) -> LossScaleWatch:
         return LossScaleWatch(settings)

@@ -24,6 +24,7 @@ from .. import naming
 from .bucket_norms import names_of
 from .model_chunks import ModelChunks
 from ..collectives import collective_device
+from ..detectors.peak import crest_factors
 from ..incidents import ParamFinding
 from .optimizer_params import model_grad
 from .parallel import parallel_state
@@ -48,8 +49,10 @@ class PreReduction:
     findings: list = field(default_factory=list)
     """Parameters Megatron's bucket check found non-finite here (:meth:`OriginWatch.note`)."""
     jumps: list = field(default_factory=list)
-    """(chunks or None, params, device ratios) per fused pass: each own gradient's norm over its
-    running mean on this rank (0 where there is none yet). Read on the slow path only."""
+    """(chunks or None, params, device ratios, reason, threshold) per fused pass: each own
+    gradient's norm (reason ``local_jump``, :data:`LOCAL_JUMP`), and with the peak detector on its
+    crest factor (``local_peak``, the detector's ``min_ratio``), over its running mean on this rank
+    (0 where there is none yet). Read on the slow path only."""
 
     def is_origin(self) -> bool:
         """Reading the flag costs nothing on a quiet step: it is read on the slow path only."""
@@ -79,8 +82,13 @@ LOCAL_MEAN_DECAY = 0.9
 class OriginWatch:
     """Collects one step's :class:`PreReduction` on this rank until the check takes it."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, peak_ratio: Optional[float] = None):
         self.enabled = enabled
+        self.peak_ratio = peak_ratio
+        """With the peak detector on (its ``min_ratio``): also take each own gradient's crest factor
+        (largest magnitude over RMS; one more read per pass), and a crest factor this many times its
+        running mean names the rank as a norm :data:`LOCAL_JUMP` times above does: a few elements
+        gone far off on one replica lift its tensor's norm too little to name it."""
         self._means: dict = {}
         """Per fused pass (a bucket group's id, or "chunks"): each own gradient's running mean of norms, on the device."""
         self._proposed: dict = {}
@@ -97,10 +105,14 @@ class OriginWatch:
         On a single rank there is nowhere else a fault could have entered: no extra read. Where
         Megatron's bucket check runs, the flag comes from its norms (:meth:`note`)."""
         if self.watching() and not self._bucket_checks:
-            self._pending.flag, norms = _local_origin_norms(chunks)
-            self._pending.norms = [norms] if norms is not None else []
-            if norms is not None:
-                self._pending.jumps = [self._ratios("chunks", norms)]
+            params = [param for chunk in chunks for param in chunk.parameters()]
+            held, norms, crests = _fused_norms(params, self.peak_ratio is not None)
+            if norms is None:
+                self._pending.flag = torch.zeros((), device=collective_device())
+                return
+            self._pending.flag = (~torch.isfinite(norms)).any().float()
+            self._pending.norms = [(chunks, held, norms)]
+            self._pending.jumps = self._jumps("chunks", chunks, held, norms, crests)
 
     def before_group(self, group: object, params: list, step: int) -> None:
         """A DDP bucket group of a checked ``step`` right before its collective
@@ -111,9 +123,9 @@ class OriginWatch:
             return
         if self._groups_step != step:
             self._groups, self._groups_step = {}, step
-        held, norms = _fused_norms(params)
+        held, norms, crests = _fused_norms(params, self.peak_ratio is not None)
         if norms is not None:
-            self._groups[id(group)] = (held, norms)
+            self._groups[id(group)] = (held, norms, crests)
 
     def watching(self) -> bool:
         """Whether a pass before the reductions can tell anything: on a single rank there is
@@ -134,28 +146,35 @@ class OriginWatch:
     def take(self) -> PreReduction:
         taken, self._pending = self._pending, PreReduction()
         if self._groups:  # the groups' flags join in one device op here, at the check
-            norms = torch.cat([n for _, n in self._groups.values()])
+            norms = torch.cat([n for _, n, _ in self._groups.values()])
             flag = (~torch.isfinite(norms)).any().float()
             taken.flag = flag if taken.flag is None else torch.maximum(taken.flag, flag.to(taken.flag.device))
-            taken.norms += [(None, params, n) for params, n in self._groups.values()]
-            taken.jumps += [self._ratios(key, (None, params, n)) for key, (params, n) in self._groups.items()]
+            taken.norms += [(None, params, n) for params, n, _ in self._groups.values()]
+            for key, (params, n, crests) in self._groups.items():
+                taken.jumps += self._jumps(key, None, params, n, crests)
         self._groups, self._groups_step = {}, None
         return taken
 
-    def _ratios(self, key: object, norms: tuple) -> tuple:
-        """(chunks, params, each norm over its running mean): device ops only, no read. ``key``: the
-        fused pass (a bucket group's id, or the whole model's). The mean this step would make waits
-        for :meth:`commit`."""
-        chunks, params, values = norms
+    def _jumps(self, key: object, chunks: Optional[list], params: list, norms: torch.Tensor,
+               crests: Optional[torch.Tensor]) -> list:
+        """The pass's entries of :attr:`PreReduction.jumps`: norms, and crest factors when taken."""
+        found = [(chunks, params, self._ratios(key, norms), "local_jump", LOCAL_JUMP)]
+        if crests is not None:
+            found.append((chunks, params, self._ratios((key, "crest"), crests), "local_peak", self.peak_ratio))
+        return found
+
+    def _ratios(self, key: object, values: torch.Tensor) -> torch.Tensor:
+        """Each value over its running mean: device ops only, no read. ``key``: the series (a fused
+        pass's norms or crest factors). The mean this step would make waits for :meth:`commit`."""
         mean = self._means.get(key)
         finite = torch.isfinite(values)
         if mean is None or mean.shape != values.shape:
             self._proposed[key] = torch.where(finite, values, torch.zeros_like(values))
-            return chunks, params, torch.zeros_like(values)
+            return torch.zeros_like(values)
         ratios = torch.where(finite & (mean > 0), values / mean.clamp_min(torch.finfo(mean.dtype).tiny),
                              torch.zeros_like(values))
         self._proposed[key] = torch.where(finite, LOCAL_MEAN_DECAY * mean + (1 - LOCAL_MEAN_DECAY) * values, mean)
-        return chunks, params, ratios
+        return ratios
 
     def commit(self, accepted: bool) -> None:
         """After the step's check: a clean step's norms join the running means; a flagged step's do not."""
@@ -165,20 +184,12 @@ class OriginWatch:
 
 
 
-def _local_origin_norms(chunks: list) -> tuple[torch.Tensor, Optional[tuple]]:
-    """The origin flag from one fused pass over the per-parameter gradients, and the norms,
-    kept on the device: read only on the slow path, when this rank is an origin, to name them."""
-    params, norms = _fused_norms([param for chunk in chunks for param in chunk.parameters()])
-    if norms is None:
-        return torch.zeros((), device=collective_device()), None
-    return (~torch.isfinite(norms)).any().float(), (chunks, params, norms)
-
-
-def _fused_norms(params: list) -> tuple[list, Optional[torch.Tensor]]:
-    """(the parameters holding a gradient, their gradients' norms in one fused pass, on the
-    device); norms None when none holds one. The norms are accumulated and returned in float32:
-    an fp16 gradient buffer's norm taken in fp16 overflows to Inf past 65504 while every element
-    is finite (a loss-scaled gradient does, on every rank), which is no fault of any rank."""
+def _fused_norms(params: list, crests: bool = False) -> tuple[list, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(the parameters holding a gradient, their gradients' norms in one fused pass, and with
+    ``crests`` their crest factors from a second, all on the device); norms None when none holds
+    one. The norms are accumulated and returned in float32: an fp16 gradient buffer's norm taken
+    in fp16 overflows to Inf past 65504 while every element is finite (a loss-scaled gradient
+    does, on every rank), which is no fault of any rank."""
     held, grads = [], []
     for param in params:
         grad = model_grad(param)
@@ -186,23 +197,28 @@ def _fused_norms(params: list) -> tuple[list, Optional[torch.Tensor]]:
             held.append(param)
             grads.append(grad)
     if not grads:
-        return held, None
+        return held, None, None
     with torch.no_grad():
-        return held, torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+        norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+        if not crests:
+            return held, norms, None
+        maxabs = torch.stack(torch._foreach_norm(grads, float("inf"), dtype=torch.float32))
+        sizes = torch.tensor([float(g.numel()) for g in grads], device=norms.device)
+        return held, norms, crest_factors(maxabs, norms, sizes)
 
 
 def _jump_findings(model_chunks: ModelChunks, jumps: tuple) -> list[ParamFinding]:
-    """This rank's parameters whose own finite gradient norm stood :data:`LOCAL_JUMP` times or more
-    above its running mean before the reduction."""
-    chunks, params, ratios = jumps
+    """This rank's parameters whose own finite gradient norm (or crest factor) stood ``threshold``
+    times or more above its running mean before the reduction."""
+    chunks, params, ratios, reason, threshold = jumps
     values = ratios.tolist()
-    if not any(value >= LOCAL_JUMP for value in values):
+    if not any(value >= threshold for value in values):
         return []
     infos = names_of(model_chunks, params) if chunks is None else naming.name_parameters(chunks, parallel_state())
     ranks, host, device = naming.rank_info(parallel_state()), naming.host(), naming.device_name()
     return [ParamFinding.located(infos.get(id(param)), ranks, shape=list(param.shape), nan=0, inf=0, overflow=0,
-                                 norm=None, host=host, device=device, reasons=["local_jump", "pre_reduction"])
-            for param, value in zip(params, values) if value >= LOCAL_JUMP]
+                                 norm=None, host=host, device=device, reasons=[reason, "pre_reduction"])
+            for param, value in zip(params, values) if value >= threshold]
 
 
 def _norm_findings(model_chunks: ModelChunks, origin_norms: Optional[tuple]) -> list[ParamFinding]:
