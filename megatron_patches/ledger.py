@@ -12,7 +12,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from .errors import UserError
 from .files import write_json_atomic
@@ -70,14 +70,39 @@ class Ledger:
         the learning-rate scale (never under the floor), switch off the configured features
         (``disable_features``, and the lists of ``disable_on_further_rollbacks`` this rollback has
         reached). Returns the features switched off now for the first time."""
+        new = self._switched_off_by_next(recovery)
         self.blacklist = sorted(set(self.blacklist) | set(samples))
         self.rollbacks += 1
-        self.lr_scale = max(self.lr_scale * recovery.lr_factor, recovery.lr_floor)
-        stages = recovery.disable_on_further_rollbacks[:self.rollbacks - 1]
-        wanted = list(recovery.disable_features) + [name for stage in stages for name in stage]
-        new = [name for name in dict.fromkeys(wanted) if name not in self.disabled_features]
+        self.lr_scale = self._lr_scale_after_next(recovery)
         self.disabled_features += new
         return new
+
+    def would_repeat(self, recovery: Any, step: int, samples: Iterable, skipped: Iterable = ()) -> bool:
+        """Whether one more rollback, from ``step``, would redo the last one unchanged: the last left
+        from the same step (its redo met the anomaly there again), and this one would blacklist no
+        new sample (``samples``), leave the learning-rate scale and the switched-off features as
+        they are, and leave out the same iterations (``skipped``). Its redo would then compute what
+        the last one did and meet the same anomaly: a loop only the retry budget ends."""
+        last = self.events[-1] if self.events else None
+        if last is None or "rolled_back_to" not in last or last.get("step") != step:
+            return False
+        return (set(samples) <= set(self.blacklist) and self._lr_scale_after_next(recovery) == self.lr_scale
+                and not self._switched_off_by_next(recovery)
+                and sorted(skipped) == sorted(last.get("skip_iterations", [])))
+
+    def _lr_scale_after_next(self, recovery: Any) -> float:
+        return max(self.lr_scale * recovery.lr_factor, recovery.lr_floor)
+
+    def features_off_after_next(self, recovery: Any) -> list:
+        """The features ``recovery`` wants off once the next rollback is made (``disable_features``
+        and the stages of ``disable_on_further_rollbacks`` it reaches), in order, repeats kept."""
+        stages = recovery.disable_on_further_rollbacks[:self.rollbacks]
+        return list(recovery.disable_features) + [name for stage in stages for name in stage]
+
+    def _switched_off_by_next(self, recovery: Any) -> list:
+        """The features the next rollback switches off for the first time."""
+        wanted = self.features_off_after_next(recovery)
+        return [name for name in dict.fromkeys(wanted) if name not in self.disabled_features]
 
     def save(self, checkpoint_root: str) -> None:
         """Durable and atomic (:func:`~megatron_patches.files.write_json_atomic`): a crash or power loss

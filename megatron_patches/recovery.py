@@ -15,6 +15,7 @@ The in-process chain (:data:`IN_PROCESS_STEPS`), as pseudocode::
     episode = Episode(step, decision, samples)      # decision: the same on every rank
     replay          # decision.replay: deterministic (samples that reproduced it) | transient
     blacklist       # what reproduced it; on a rollback with blacklist: always, the episode's samples
+    refuse_repeat   # rollback: one that would redo the last unchanged (same step, nothing cut) -> a critical stop
     restore_target  # rollback: load the newest healthy target; none -> a critical stop
     cut_lr          # rollback: ledger count + 1, lr_scale = max(lr_scale * lr_factor, lr_floor)
     safe_mode       # rollback: switch off recovery.disable_features (and the later stages')
@@ -133,6 +134,23 @@ def blacklist(run: "InProcessRecovery", episode: Episode) -> Episode:
     return episode
 
 
+def refuse_repeat(run: "InProcessRecovery", episode: Episode) -> Episode:
+    """A rollback that would redo the last one unchanged becomes a critical stop: the anomaly came
+    back at the same step after it, and this one would change nothing the redo computes (no new
+    sample blacklisted, the same learning-rate scale, no feature switched off: ``lr_factor`` 1 or
+    the floor reached, ``blacklist: deterministic`` with nothing reproduced), so the redo would
+    meet it again, rollback after rollback until the retry budget ran out."""
+    outcome = episode.outcome
+    if not episode.rolls_back or not run.ledger.would_repeat(run.config, episode.step, outcome.blacklisted,
+                                                             outcome.iterations_skipped):
+        return episode
+    stop = episode.decision.escalated(
+        f"rollback {run.ledger.rollbacks + 1} would redo rollback {run.ledger.rollbacks} unchanged: the anomaly came "
+        f"back at step {episode.step} after it, and no sample, learning-rate scale ({run.ledger.lr_scale:.3g}) or "
+        "feature would differ for the redo (recovery.lr_factor below 1 or blacklist: always changes that)")
+    return replace(episode, decision=stop, outcome=replace(outcome, decision=stop))
+
+
 def restore_target(run: "InProcessRecovery", episode: Episode) -> Episode:
     """Load the newest healthy checkpoint; with none the rollback becomes a critical stop."""
     if not episode.rolls_back:
@@ -202,7 +220,7 @@ def stop(run: "InProcessRecovery", episode: Episode) -> Episode:
 
 
 IN_PROCESS_STEPS: tuple[RecoveryStep, ...] = (
-    replay, blacklist, restore_target, cut_lr, safe_mode_step, record_rollback, publish, stop)
+    replay, blacklist, refuse_repeat, restore_target, cut_lr, safe_mode_step, record_rollback, publish, stop)
 """The in-process chain, in order (the module's pseudocode)."""
 
 

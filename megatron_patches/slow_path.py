@@ -50,8 +50,11 @@ def handle_incident(state: RunState, verdict: Verdict, action: Action, before: P
         captured = capture_scene(state, verdict, findings, rank)  # captured now, whenever it is written
     incident = _completed(state, incident, decision, captured)
     state.last_incident = incident
-    replay = decision.replay or any(tell(state, "wants_replay", decision))
-    state.publisher.hand_off(incident, captured, wait_for_outcome=replay, rank=rank)
+    # Held for the executor's outcome where one follows: a replay's verdict, or an in-process
+    # rollback's target (or the stop a recovery step escalated it to).
+    in_process = decision.ends_run and bool(getattr(state.executor, "in_process", False))
+    wait = decision.replay or in_process or any(tell(state, "wants_replay", decision))
+    state.publisher.hand_off(incident, captured, wait_for_outcome=wait, rank=rank)
     tell(state, "on_decision", decision, incident)
     return decision
 

@@ -58,24 +58,27 @@ LASTING = ("param", "exp_avg", "exp_avg_sq")
 LAYOUTS = {  # label -> (ranks, harness flags, rank a local/forward drill binds to, rank a grad/weight/state drill binds to)
     "1rank": (1, ("--precision", "bf16"), 0, 0),
     "dp2": (2, ("--precision", "bf16", "--distributed-optimizer"), 1, 0),
-    "1rank+audit": (1, ("--precision", "bf16"), 0, 0),
-    "dp2+audit": (2, ("--precision", "bf16", "--distributed-optimizer"), 1, 0),
+    "1rank+full": (1, ("--precision", "bf16"), 0, 0),
+    "dp2+full": (2, ("--precision", "bf16", "--distributed-optimizer"), 1, 0),
     # Tensor parallel: each rank holds half of fc1's rows (its own, unreduced gradient); the module's
     # output is the same on both after fc2's all-reduce, so a forward drill makes rank 1's differ.
     "tp2": (2, ("--precision", "bf16", "--tp", "2"), 1, 1),
     # Pipeline parallel: layer 1 and its fc1 live on the second stage, rank 1.
     "pp2": (2, ("--precision", "bf16", "--pp", "2"), 1, 1),
-    "tp2+audit": (2, ("--precision", "bf16", "--tp", "2"), 1, 1),
-    "pp2+audit": (2, ("--precision", "bf16", "--pp", "2"), 1, 1),
+    "tp2+full": (2, ("--precision", "bf16", "--tp", "2"), 1, 1),
+    "pp2+full": (2, ("--precision", "bf16", "--pp", "2"), 1, 1),
 }
-QUICK_LAYOUTS = ("1rank", "dp2", "dp2+audit")
-"""The quick mode's layouts; there an audited layout carries the lasting targets only (the others'
-cells are the same trainings as without the audit, bar its reads)."""
+QUICK_LAYOUTS = ("1rank", "dp2", "dp2+full")
+"""The quick mode's layouts; there a ``+full`` layout carries the lasting targets only (its other
+cells are the same trainings as without the opt-in detectors, bar their reads)."""
+FULL_DETECTORS = "detectors: {audit: {enabled: true}, peak: {enabled: true}}\n"
+"""What a ``+full`` layout adds to the guard's defaults: the two detectors that are off by default
+for what they read (the state audit, gradient peaks)."""
 
 
-def audited(layout: str) -> bool:
-    """Whether ``layout`` runs with the state audit on (``detectors.audit``, off by default)."""
-    return layout.endswith("+audit")
+def full(layout: str) -> bool:
+    """Whether ``layout`` runs with every detector on (:data:`FULL_DETECTORS`)."""
+    return layout.endswith("+full")
 SHARD_HOLDER = 0
 """Under DP2 with the distributed optimizer rank 0's shard holds all of PARAM (tests/test_drill_holders.py):
 grad, weight and state drills are bound to it; local and forward drills to rank 1 (a replica's own card)."""
@@ -169,19 +172,19 @@ class Cell:
         return f"{kind}:" + ",".join(k for k in keys if k)
 
     def reason(self) -> Optional[str]:
-        if audited(self.layout) and self.target in LASTING:
+        if full(self.layout) and self.target in LASTING:
             return None  # the audit compares every bit of the held state: none of these is undetectable
         scopes, why = REASONS.get((self.kind, self.target), ((), None))
         return why if self.scope in scopes else None
 
 
 def cells(quick: bool = False, layouts: Optional[tuple] = None) -> list[Cell]:
-    """Every cell of the menu (quick: one scope per kind, the lasting targets only where audited),
+    """Every cell of the menu (quick: one scope per kind, the lasting targets only where ``+full``),
     ordered layout, target, scope, kind; ``layouts`` default: all (quick: :data:`QUICK_LAYOUTS`)."""
     found = []
     for layout in layouts or (QUICK_LAYOUTS if quick else tuple(LAYOUTS)):
         for target in TARGETS:
-            if quick and audited(layout) and target not in LASTING:
+            if quick and full(layout) and target not in LASTING:
                 continue
             for scope in SCOPES:
                 for kind in KINDS:

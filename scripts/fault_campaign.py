@@ -1,7 +1,7 @@
 """The fault campaign (issue 40): every fault kind x scope x target of the drills' menu, on one
-rank and on DP2 (bf16, distributed optimizer), each with the guard's defaults and with the state
-audit on (detectors.audit), through the tiny-GPT harness, scored strictly
-(scripts/campaign_cells.py says how). Writes OUT/campaign.json (or --json) and OUT/campaign.md.
+rank, DP2 (bf16, distributed optimizer), TP2 and PP2, each with the guard's defaults and with every
+detector on (``+full``: the state audit and gradient peaks as well), through the tiny-GPT harness,
+scored strictly (scripts/campaign_cells.py says how). Writes OUT/campaign.json (or --json) and OUT/campaign.md.
 
     .venv/bin/python scripts/fault_campaign.py --out runs/campaign            # the full campaign
     .venv/bin/python scripts/fault_campaign.py --quick --out runs/campaign    # one scope per kind
@@ -71,7 +71,7 @@ def run_group(group: list, workdir: Path, runner, progress) -> list[dict]:
         steps = cc.fault_step(len(pending) - 1) + cc.GAP - 1
         out = workdir / f"{pending[0].layout}-{pending[0].target}-{pending[0].scope}-{attempt}"
         config = workdir / "campaign.yaml"
-        config.write_text(CONFIG + ("detectors: {audit: {enabled: true}}\n" if cc.audited(pending[0].layout) else ""))
+        config.write_text(CONFIG + (cc.FULL_DETECTORS if cc.full(pending[0].layout) else ""))
         # Checkpoints (the rollback targets, one before each fault) only where a fault stays in the
         # weights or the optimizer state; a gradient or output fault is over once its step is skipped.
         # Each is saved two steps before a fault, so the clean check between certifies it.

@@ -61,6 +61,23 @@ def test_poisoned_sample_is_deterministic_blacklisted_and_never_fed_again(tmp_pa
     assert len(run.incidents) == 1  # no new record was appended
 
 
+def test_a_rollback_that_would_redo_the_last_one_unchanged_stops_instead(tmp_path):
+    # Sample 45 (fed at step 6) poisons the loss; no replay, so nothing is blacklisted, and lr_factor 1
+    # keeps the learning rate: the redo from step 4 meets the same poison at step 6. A second rollback
+    # would compute the same again, so the guard stops there instead of spending its budget of 5.
+    config = tmp_path / "guard.yaml"
+    config.write_text("response: {persist_steps: 1, replay: false}\n"
+                      "recovery: {max_rollbacks: 5, lr_factor: 1.0, blacklist: deterministic}\nscene: {enabled: false}\n")
+    run = run_tiny(tmp_path, "--steps", "8", "--save-interval", "4", "--config", str(config),
+                   "--inject", "poison:sample=45")
+    assert run.returncode == 86, run.output[-3000:]
+    first, second = run.incidents
+    assert (first["step"], first["action"], first["rolled_back_to"]) == (6, "rollback", 4)
+    assert (second["step"], second["severity"], second["action"]) == (6, "critical", "stop")
+    assert "would redo rollback 1 unchanged: the anomaly came back at step 6" in second["reason"]
+    assert ledger(tmp_path)["rollbacks"] == 1
+
+
 def test_single_transient_fault_is_a_warning_classified_transient(tmp_path):
     run = run_tiny(tmp_path, "--steps", "12", "--inject", f"inf:step=5,param={FC1}")
     assert_trained(run)

@@ -145,6 +145,24 @@ def test_safe_mode_grows_by_one_list_on_each_further_rollback():
     assert ledger.disabled_features == ["dropout", "fusions", "overlap"]
 
 
+def test_a_rollback_from_the_same_step_that_changes_nothing_would_repeat_the_last():
+    """The redo of a rollback that changes nothing (no new sample, the same learning-rate scale, no
+    feature switched off, the same iterations left out) computes what the last redo did."""
+    flat = recovery(lr_factor=1.0)
+    ledger = Ledger(blacklist=[5])
+    assert not ledger.would_repeat(flat, 12, [])  # no rollback yet
+    ledger.record_rollback(flat, [])
+    ledger.events.append({"step": 12, "rolled_back_to": 8, "skip_iterations": [11]})
+    assert ledger.would_repeat(flat, 12, [5], skipped=[11])  # 5 is blacklisted already
+    assert not ledger.would_repeat(flat, 13, [], skipped=[11])  # the redo got past step 12
+    assert not ledger.would_repeat(flat, 12, [6], skipped=[11])  # a new sample leaves the batch out
+    assert not ledger.would_repeat(flat, 12, [], skipped=[])  # other iterations left out
+    assert not ledger.would_repeat(recovery(lr_factor=0.5), 12, [], skipped=[11])  # a lower learning rate
+    assert not ledger.would_repeat(recovery(lr_factor=1.0, disable_features=["dropout"]), 12, [], skipped=[11])
+    ledger.lr_scale = 0.3
+    assert ledger.would_repeat(recovery(lr_factor=0.5, lr_floor=0.3), 12, [], skipped=[11])  # at the floor
+
+
 def test_an_unknown_name_in_a_later_list_is_refused():
     from megatron_patches.errors import ConfigError
 

@@ -15,7 +15,8 @@ iterator, which stands where an uninterrupted run's would. Protocol, per rank::
       a loop whose iterator is not taped  -> one line, then exit 84 and restart (as mode restart)
     restore                parameters, optimizer state, scheduler, loss scaler, RNG, rerun
                            machine, the guard's baselines (copied back in place)
-    the recovery steps     blacklist, cut the LR, safe mode (dropout), ledger event, record
+    the recovery steps     blacklist, a rollback that would redo the last unchanged -> a critical
+                           stop, cut the LR, safe mode (dropout), ledger event, record
     redo                   iterations snapshot+1 .. decision, each from its taped batches
                            (blacklisted ones left out); a new rollback or stop there -> restart
 
@@ -270,8 +271,7 @@ def choose_target(run: InProcessRollback, episode: Episode) -> Episode:
     process at all; otherwise the rollback goes to a restart (:meth:`InProcessRollback.fall_back`)."""
     if not episode.rolls_back:
         return episode
-    wanted = list(run.config.disable_features) + [
-        name for stage in run.config.disable_on_further_rollbacks[:run.ledger.rollbacks] for name in stage]
+    wanted = run.ledger.features_off_after_next(run.config)
     already = safe_mode.expand(run.ledger.disabled_features)  # off since the job started
     rebuilt = [name for name in safe_mode.expand(wanted) if name not in already and name not in IN_PLACE_FEATURES]
     held = collectives.gather_to_zero((run.store.certified(), run._tapes is not None), run.monitor.peers)
@@ -382,6 +382,7 @@ def _log_redone(iteration: int, total: int, result: Any) -> None:
     print(f"[megatron_patches] redone iteration {iteration:8d}/{total:8d} |{values} |", flush=True)
 
 
-IN_PROCESS_CHAIN = (choose_target, recovery.blacklist, skip_iterations, restore_snapshot, recovery.cut_lr,
-                    recovery.safe_mode_step, recovery.record_rollback, recovery.publish, recovery.stop, redo)
+IN_PROCESS_CHAIN = (choose_target, recovery.blacklist, skip_iterations, recovery.refuse_repeat, restore_snapshot,
+                    recovery.cut_lr, recovery.safe_mode_step, recovery.record_rollback, recovery.publish,
+                    recovery.stop, redo)
 """One decision in Megatron-LM's loop, in process (the module's protocol)."""
