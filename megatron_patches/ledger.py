@@ -78,15 +78,18 @@ class Ledger:
         return new
 
     def would_repeat(self, recovery: Any, step: int, samples: Iterable, skipped: Iterable = ()) -> bool:
-        """Whether one more rollback, from ``step``, would redo the last one unchanged: the last left
-        from the same step (its redo met the anomaly there again), and this one would blacklist no
-        new sample (``samples``), leave the learning-rate scale and the switched-off features as
-        they are, and leave out the same iterations (``skipped``). Its redo would then compute what
-        the last one did and meet the same anomaly: a loop only the retry budget ends."""
+        """Whether one more rollback, from ``step``, would redo the last one to no purpose: the last
+        left from the same step (its redo met the anomaly there again), and this one would leave the
+        learning-rate scale and the switched-off features as they are and leave out the same
+        iterations (``skipped``), and change the data only if the last did not: blacklisting new
+        ``samples`` is a change until a redo fed other samples and met the anomaly at the same step
+        anyway (then the data is not its cause). Such a redo meets the anomaly again: a loop only
+        the retry budget ends."""
         last = self.events[-1] if self.events else None
         if last is None or "rolled_back_to" not in last or last.get("step") != step:
             return False
-        return (set(samples) <= set(self.blacklist) and self._lr_scale_after_next(recovery) == self.lr_scale
+        data_tried = bool(last.get("blacklisted")) or set(samples) <= set(self.blacklist)
+        return (data_tried and self._lr_scale_after_next(recovery) == self.lr_scale
                 and not self._switched_off_by_next(recovery)
                 and sorted(skipped) == sorted(last.get("skip_iterations", [])))
 

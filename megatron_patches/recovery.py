@@ -15,7 +15,7 @@ The in-process chain (:data:`IN_PROCESS_STEPS`), as pseudocode::
     episode = Episode(step, decision, samples)      # decision: the same on every rank
     replay          # decision.replay: deterministic (samples that reproduced it) | transient
     blacklist       # what reproduced it; on a rollback with blacklist: always, the episode's samples
-    refuse_repeat   # rollback: one that would redo the last unchanged (same step, nothing cut) -> a critical stop
+    refuse_repeat   # rollback: one that would redo the last to no purpose (same step, nothing cut) -> critical
     restore_target  # rollback: load the newest healthy target; none -> a critical stop
     cut_lr          # rollback: ledger count + 1, lr_scale = max(lr_scale * lr_factor, lr_floor)
     safe_mode       # rollback: switch off recovery.disable_features (and the later stages')
@@ -135,19 +135,23 @@ def blacklist(run: "InProcessRecovery", episode: Episode) -> Episode:
 
 
 def refuse_repeat(run: "InProcessRecovery", episode: Episode) -> Episode:
-    """A rollback that would redo the last one unchanged becomes a critical stop: the anomaly came
-    back at the same step after it, and this one would change nothing the redo computes (no new
-    sample blacklisted, the same learning-rate scale, no feature switched off: ``lr_factor`` 1 or
-    the floor reached, ``blacklist: deterministic`` with nothing reproduced), so the redo would
-    meet it again, rollback after rollback until the retry budget ran out."""
-    outcome = episode.outcome
-    if not episode.rolls_back or not run.ledger.would_repeat(run.config, episode.step, outcome.blacklisted,
-                                                             outcome.iterations_skipped):
+    """A rollback that would redo the last one to no purpose becomes a critical stop: the anomaly
+    came back at the same step after it, and this one would change nothing that could help (the
+    same learning-rate scale, no feature switched off: ``lr_factor`` 1 or the floor reached; other
+    samples only where the last redo did not already feed other samples and meet it anyway), so
+    its redo would meet it again, rollback after rollback until the retry budget ran out."""
+    outcome, ledger = episode.outcome, run.ledger
+    if not episode.rolls_back or not ledger.would_repeat(run.config, episode.step, outcome.blacklisted,
+                                                         outcome.iterations_skipped):
         return episode
+    last = ledger.events[-1]
+    data = ("though its redo fed other samples, so the data is not the cause" if last.get("blacklisted")
+            else "and no sample would be left out")
     stop = episode.decision.escalated(
-        f"rollback {run.ledger.rollbacks + 1} would redo rollback {run.ledger.rollbacks} unchanged: the anomaly came "
-        f"back at step {episode.step} after it, and no sample, learning-rate scale ({run.ledger.lr_scale:.3g}) or "
-        "feature would differ for the redo (recovery.lr_factor below 1 or blacklist: always changes that)")
+        f"rollback {ledger.rollbacks + 1} would redo rollback {ledger.rollbacks} to no purpose: the anomaly came back "
+        f"at step {episode.step} after it, {data}, and the learning-rate scale ({ledger.lr_scale:.3g}) and the "
+        f"features would stay as they are; the state at step {last['rolled_back_to']} may carry it "
+        "(recovery.lr_factor below 1 gives the redo a lower learning rate)")
     return replace(episode, decision=stop, outcome=replace(outcome, decision=stop))
 
 

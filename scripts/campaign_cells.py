@@ -102,8 +102,11 @@ _ADAM_BOUND = ("Adam's update stays within about lr per element whatever the sca
 _DRAW_DROP = ("with seed 1234 the three bits drawn for the one element are 3 and 5 (low mantissa) and 28, an "
               "exponent bit set in every value between 2^-31 and 2, so the element is divided by 2^32: it drops "
               "to about zero.")
-_SIGN_BLIND = ("keeps every magnitude the detectors read (norms are sign-blind); single gradient elements "
-               "change sign from batch to batch anyway, and no replica holds ")
+_SIGN_GRAD = ("keeps every magnitude the detectors read (norms are sign-blind), and direction is no tell either: "
+              "single elements change sign from batch to batch, and a clean step's whole gradient of this tensor "
+              "points against its Adam momentum on about half of the updates (69 % of 129 clean bf16 updates here, "
+              "cosine -0.46 to 0.44; 51 % on real text, -0.85 to 0.86; tests/test_campaign.py), so a reversed one "
+              "is what a clean step looks like; and no replica holds ")
 
 REASONS = {  # (kind, target) -> (scopes, why a cell is undetectable by design)
     **{("bitflip:mantissa_low", t): (_ALL, _ULP) for t in TARGETS},
@@ -142,8 +145,8 @@ REASONS = {  # (kind, target) -> (scopes, why a cell is undetectable by design)
                                                   "third, as mantissa_high does"),
     ("sign", "forward"): (("element", "row"), "a negated activation (or one token's row) is a value the layer gives "
                                               "other inputs; nothing holds what it should be"),
-    ("sign", "local"): (_PARTIAL, _SIGN_BLIND + "the same values before the reduction"),
-    ("sign", "grad"): (_PARTIAL, _SIGN_BLIND + "the same reduced values (one rank; the shard)"),
+    ("sign", "local"): (_ALL, _SIGN_GRAD + "the same values before the reduction (each replica's micro-batches differ)"),
+    ("sign", "grad"): (_ALL, _SIGN_GRAD + "the same reduced values (one rank; the shard)"),
     ("sign", "exp_avg"): (_PARTIAL, "reverses the next update of the covered elements at the same size; "
                                     + _ADAM_BOUND),
 }

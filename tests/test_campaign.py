@@ -77,6 +77,53 @@ def test_every_undetectable_cell_has_a_reason_and_every_reason_names_a_cell_of_t
     assert argued_but_caught == [], f"argued undetectable, yet detected and named: {argued_but_caught}"
 
 
+def _direction_against_momentum(out: Path, *args: str) -> list:
+    """Train unguarded; per update after the first 20, the cosine between layer 1's fc1 gradient
+    and its Adam momentum (``exp_avg``) right before the update (what a sign flip would reverse)."""
+    import torch
+    import torch.optim.optimizer as optim
+
+    from conftest import run_forked
+    from megatron_patches.testing import tiny_gpt
+
+    found = out / "cosines.json"
+
+    def train():
+        cosines = []
+
+        def before_step(optimizer, args, kwargs):
+            fc1 = [p for group in optimizer.param_groups for p in group["params"] if tuple(p.shape) == (256, 64)]
+            state = optimizer.state.get(fc1[1], {}) if len(fc1) == 2 else {}
+            if fc1 and fc1[1].grad is not None and "exp_avg" in state:
+                grad, momentum = fc1[1].grad.float().flatten(), state["exp_avg"].float().flatten()
+                cosines.append(float(grad @ momentum / (grad.norm() * momentum.norm()).clamp_min(1e-30)))
+
+        optim.register_optimizer_step_pre_hook(before_step)
+        try:
+            return tiny_gpt.main(["--out", str(out), "--no-guard", *args])
+        finally:
+            found.write_text(json.dumps(cosines[20:]))
+
+    code, output = run_forked(train)
+    assert code == 0, output[-3000:]
+    return json.loads(found.read_text())
+
+
+TEXT = ["--data", f"text:{Path(json.__file__).parent.parent}", "--data-max-mib", "4",
+        "--vocab", "320"]  # byte tokens; a vocabulary not 256 keeps the embedding's shape apart from fc1's
+
+
+@pytest.mark.parametrize("data", [[], TEXT], ids=["synthetic", "text"])
+def test_a_whole_gradient_with_its_sign_flipped_is_what_a_clean_step_looks_like(tmp_path, data):
+    """The argument behind the whole-tensor sign cells of `local` and `grad` (REASONS): on clean
+    steps the gradient points against its momentum about half of the time, so a reversed gradient
+    stands out in no statistic of the tensor (norms are sign-blind)."""
+    cosines = _direction_against_momentum(tmp_path, "--steps", "150", "--precision", "bf16", *data)
+    against = sum(c < 0 for c in cosines) / len(cosines)
+    print(f"{len(cosines)} updates: against the momentum on {against:.0%}, cosine {min(cosines):.2f} to {max(cosines):.2f}")
+    assert len(cosines) >= 100 and 0.3 <= against <= 0.9
+
+
 def test_each_cell_makes_a_drill_the_parser_takes():
     from megatron_patches.inject import parse_spec
 

@@ -74,7 +74,8 @@ def test_a_rollback_that_would_redo_the_last_one_unchanged_stops_instead(tmp_pat
     first, second = run.incidents
     assert (first["step"], first["action"], first["rolled_back_to"]) == (6, "rollback", 4)
     assert (second["step"], second["severity"], second["action"]) == (6, "critical", "stop")
-    assert "would redo rollback 1 unchanged: the anomaly came back at step 6" in second["reason"]
+    assert ("would redo rollback 1 to no purpose: the anomaly came back at step 6 after it, and no sample would be "
+            "left out") in second["reason"]
     assert ledger(tmp_path)["rollbacks"] == 1
 
 

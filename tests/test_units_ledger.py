@@ -156,6 +156,9 @@ def test_a_rollback_from_the_same_step_that_changes_nothing_would_repeat_the_las
     assert ledger.would_repeat(flat, 12, [5], skipped=[11])  # 5 is blacklisted already
     assert not ledger.would_repeat(flat, 13, [], skipped=[11])  # the redo got past step 12
     assert not ledger.would_repeat(flat, 12, [6], skipped=[11])  # a new sample leaves the batch out
+    ledger.events[-1]["blacklisted"] = 8  # ... unless the last redo fed other samples and met it anyway
+    assert ledger.would_repeat(flat, 12, [6], skipped=[11])
+    ledger.events[-1]["blacklisted"] = 0
     assert not ledger.would_repeat(flat, 12, [], skipped=[])  # other iterations left out
     assert not ledger.would_repeat(recovery(lr_factor=0.5), 12, [], skipped=[11])  # a lower learning rate
     assert not ledger.would_repeat(recovery(lr_factor=1.0, disable_features=["dropout"]), 12, [], skipped=[11])
