@@ -71,6 +71,9 @@ class PreReduction(Protocol):
 class OriginWatch(Protocol):
     """One run's pre-reduction origin pass (:class:`megatron_patches.seams.origin.OriginWatch`)."""
 
+    peak_ratio: Optional[float]
+    """With the peak detector on, its ``min_ratio``: the pass also takes crest factors."""
+
     def take(self) -> PreReduction:
         """What the step's pre-reduction pass saw, once."""
 

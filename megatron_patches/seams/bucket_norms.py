@@ -62,8 +62,12 @@ def checks_nonfinite(monitor: Guard) -> bool:
 
 
 def check_grads(monitor: Guard, group: Any, call: Callable[[], Any]) -> Any:
-    """Run Megatron's ``check_grads`` for ``group`` with its NaN/Inf verdicts routed to the guard."""
+    """Run Megatron's ``check_grads`` for ``group`` with its NaN/Inf verdicts routed to the guard.
+    Megatron's bucket norms stand in for the origin pass's norms, but a crest factor per gradient
+    needs a pass of our own: with the peak detector on it runs here, after the drills."""
     _inject(monitor, group)
+    if monitor.origin.peak_ratio is not None and monitor.origin.watching():
+        monitor.origin.before_group(group, monitor.model_chunks.group_params(group), monitor.upcoming_step())
     scope = _Scope()
     token = _scope.set(scope)
     try:
