@@ -142,8 +142,9 @@ class PeakConfig:
     enabled: bool = False
     """Judge each gradient tensor's crest factor (its largest magnitude over its RMS) against the
     tensor's own history: a few elements gone far off while the norm barely moves (one element
-    x1,000 lifts a 16k-element tensor's norm only 8x). Off by default: one more read of every
-    gradient per checked step (free on an Ascend part in saturation mode, which reads it anyway)."""
+    x1,000 lifts a 16k-element tensor's norm only 8x), and with several ranks the replica it came
+    from. Off by default: one more read of every gradient per checked step (free on an Ascend part
+    in saturation mode, which reads it anyway), one or two more before the reduction."""
     ema_beta: float = field(default=0.98, metadata={"check": check.fraction})
     """Decay of the moving mean and variance of log(crest factor) per checked step."""
     warmup_steps: int = field(default=20, metadata={"check": check.at_least_one})
