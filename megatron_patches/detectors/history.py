@@ -56,7 +56,7 @@ input of scripts/history_replay.py."""
 
 
 @dataclass
-class _Judged:
+class Judged:
     """One level's view of one checked step, kept until ``commit``."""
 
     logn: Any
@@ -102,7 +102,7 @@ class _Stats:
                 getattr(out, name)[new_rows] = getattr(self, name)[old_rows].to(device)
         return out
 
-    def judge(self, values: Any, valid: Any, cfg: Any, drift: bool = True, min_ratio: Optional[float] = None) -> _Judged:
+    def judge(self, values: Any, valid: Any, cfg: Any, drift: bool = True, min_ratio: Optional[float] = None) -> Judged:
         xp = self.xp
         logn = xp.log(xp.clip(values, 1e-30, None))
         valid = valid & xp.isfinite(values) & (values > 0)
@@ -117,9 +117,9 @@ class _Stats:
             dflag = valid & warmed & (run >= cfg.drift_steps)
         else:  # per-tensor series: no growth rule (see the module docstring)
             run, dflag = xp.zeros_like(self.run), valid & False
-        return _Judged(logn, valid, z, zflag, dflag, run)
+        return Judged(logn, valid, z, zflag, dflag, run)
 
-    def update(self, j: _Judged, cfg: Any) -> None:
+    def update(self, j: Judged, cfg: Any) -> None:
         xp = self.xp
         alpha = xp.clip(1.0 / (self.count + 1), 1.0 - cfg.ema_beta, None)
         dev = j.logn - self.mean
@@ -192,7 +192,7 @@ class HistoryDetector(Detector):
         self._series = ParamSeries()
         self._total: Optional[_Stats] = None
         self._layers: Optional[_Stats] = None
-        self._judged: dict[str, Optional[_Judged]] = {}
+        self._judged: dict[str, Optional[Judged]] = {}
         self._param_flags = 0.0
 
     # --- fast path -------------------------------------------------------------------

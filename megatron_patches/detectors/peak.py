@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 
 from .base import CheckContext, Detector
-from .history import ParamSeries, _Judged
+from .history import ParamSeries, Judged
 
 PEAK = "peak"
 """The kind flagged, and the reason a named tensor carries."""
@@ -47,7 +47,7 @@ class PeakDetector(Detector):
         self.cfg = cfg
         self._series = ParamSeries()
         self._sizes: Optional[tuple] = None  # (entries' ids, their element counts on the device)
-        self._judged: Optional[_Judged] = None
+        self._judged: Optional[Judged] = None
         self._flags = 0
 
     def width(self) -> int:
