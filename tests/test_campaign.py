@@ -1,6 +1,6 @@
 """The fault campaign (issue 40): its quick mode, one fault per kind x target on one rank and on
-DP2 (bf16, distributed optimizer), and per kind x weight or state target on DP2 with the state
-audit, scores what docs/campaign_quick.json says, cell by cell; the
+DP2 (bf16, distributed optimizer), and per kind x weight or state target on DP2 with every
+detector on, scores what docs/campaign_quick.json says, cell by cell; the
 full campaign what docs/campaign.json says (slow); and the table in docs/reliability.md is the one
 scripts/fault_campaign.py generates from docs/campaign.json."""
 
@@ -26,8 +26,8 @@ SCORES = ("detected", "localized", "false_positives", "recovered", "steps_to_det
 # behind docs/campaign.json and not in the next one (docs/reliability.md, hole 10; cause not found).
 VARIES = {"1rank/exp_avg/element/inf", "1rank/exp_avg/element/bitflip:mantissa_high",
           "1rank/exp_avg/element/scale:x1000", "1rank/exp_avg/all/bitflip:exponent_high",
-          # Run once (docs/reliability.md, "A rollback that repeats itself"): a zscore the redo meets again
-          # at the same step, 988 rollbacks until the campaign's budget of 1000; not yet seen twice.
+          # docs/reliability.md, "A rollback that repeats itself": a zscore every redo met again at the same
+          # step (988 rollbacks in two runs, now a stop at the second); its false positives may vary.
           "tp2/exp_avg/10pct/noise:1%", "tp2/exp_avg/all/nan"}
 
 
