@@ -53,6 +53,25 @@ def test_held_state_altered_between_updates_is_named_where_held_and_rolled_back(
     assert 25 not in {r["step"] for r in off.incidents}
 
 
+def test_the_fingerprint_is_the_mixed_sum_of_the_words_modulo_2_to_the_32():
+    """Against the definition worked out in numpy on unsigned 64-bit integers: two chunks of words
+    (the workspace reused across them and across tensors), 8- and 2-byte elements."""
+    import numpy as np
+
+    def reference(tensor):
+        flat = tensor.reshape(-1)
+        raw = flat.view(torch.int32) if flat.element_size() in (4, 8) else flat.view(torch.int16).to(torch.int32)
+        x = raw.numpy().astype(np.int64) & 0xFFFFFFFF
+        x ^= x >> 16
+        x = (x * 0x45D9F3B) & 0xFFFFFFFF
+        x ^= x >> 16
+        return int(x.sum() & 0xFFFFFFFF)
+
+    torch.manual_seed(0)
+    tensors = [torch.randn((1 << 20) + 5), torch.randn(300).double(), torch.randn(4097).bfloat16()]
+    assert audit._fingerprints(tensors).tolist() == [reference(t) for t in tensors]
+
+
 def test_changes_that_cancel_in_plain_sums_change_the_fingerprint():
     from megatron_patches.detectors.consistency import _bits_sum
 

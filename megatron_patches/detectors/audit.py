@@ -18,8 +18,8 @@ guard's one all-reduce (tensors altered, summed over the job).
 
 Cost, and why it is off by default: every weight and moment the rank steps is read twice per
 checked step (six gradient read passes: the weight and each moment are as large as the fp32
-gradient), and each read mixes the words in chunks, a few element-wise operations on a small
-buffer, against the default's limit of 0.1 read passes. ``make bench`` times it (variant C):
+gradient), and each read mixes the words in chunks, a few element-wise operations on two buffers
+the audit keeps (a chunk each, at most 4 MiB), against the default's limit of 0.1 read passes. ``make bench`` times it (variant C):
 meant for fire drills, for a card under suspicion, and for runs where silent corruption must be
 caught at any cost (``docs/detectors.md``).
 
@@ -56,31 +56,56 @@ _MUL = 0x45D9F3B  # an odd multiplier: multiplying by it modulo 2**32 is a bijec
 _LOW16 = 0xFFFF
 
 
-def _mixed_sum(tensor: torch.Tensor) -> torch.Tensor:
+class _Workspace:
+    """Two word buffers per device, as long as the largest chunk met so far, kept across chunks,
+    tensors and checks: the mix allocates nothing per chunk."""
+
+    def __init__(self) -> None:
+        self._buffers: dict = {}
+
+    def take(self, words: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        held = self._buffers.get(device)
+        if held is None or held[0].numel() < words:
+            held = self._buffers[device] = tuple(torch.empty(words, dtype=torch.int32, device=device)
+                                                 for _ in range(2))
+        return held[0][:words], held[1][:words]
+
+
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s 32-bit words, flat: 8-byte elements two words each; 2- and 1-byte elements are
+    read as integers of their size (each widened to a word when copied into the workspace)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.element_size() in (4, 8):
+        return flat.view(torch.int32)
+    return flat.view(torch.int16 if flat.element_size() == 2 else torch.uint8)
+
+
+def _mixed_sum(tensor: torch.Tensor, work: _Workspace) -> torch.Tensor:
     """The sum modulo 2**32 of every 32-bit word of ``tensor``, each first put through the same
     bijective mix (xor-shift, multiply, xor-shift): one changed word changes the sum, and several
     changed words cancel only by chance (about one in 2**32), whatever their pattern (two sign
     flips, as many low bits set as cleared). A plain sum of the words misses both. 0-d int64."""
-    flat = tensor.detach().reshape(-1)
-    if flat.element_size() in (4, 8):
-        flat = flat.view(torch.int32)  # 8-byte elements: two words each
-    else:  # 2-byte (and 1-byte) elements widened one to a word
-        flat = flat.view(torch.int16 if flat.element_size() == 2 else torch.uint8).to(torch.int32)
+    flat = _words(tensor)
     total = torch.zeros((), dtype=torch.int64, device=flat.device)
     for start in range(0, flat.numel(), _CHUNK):
-        x = flat[start:start + _CHUNK].clone()
-        shifted = (x >> 16) & _LOW16  # a logical shift: the mix stays a bijection
+        chunk = flat[start:start + _CHUNK]
+        x, shifted = work.take(chunk.numel(), flat.device)
+        x.copy_(chunk)  # widens 2- and 1-byte integers as .to(torch.int32) does
+        torch.bitwise_right_shift(x, 16, out=shifted)
+        shifted &= _LOW16  # a logical shift: the mix stays a bijection
         x ^= shifted
         x *= _MUL  # wraps modulo 2**32
-        torch.bitwise_and(x >> 16, _LOW16, out=shifted)
+        torch.bitwise_right_shift(x, 16, out=shifted)
+        shifted &= _LOW16
         x ^= shifted
-        total += x.sum(dtype=torch.int64)
+        total += x.sum(dtype=torch.int32)  # wraps modulo 2**32 as the result does; a wider sum copies x
     return total & 0xFFFFFFFF
 
 
-def _fingerprints(tensors: list) -> torch.Tensor:
+def _fingerprints(tensors: list, work: Optional[_Workspace] = None) -> torch.Tensor:
     """Per tensor: :func:`_mixed_sum` of its words, int64, shape (n,)."""
-    return torch.stack([_mixed_sum(t) for t in tensors])
+    work = work or _Workspace()
+    return torch.stack([_mixed_sum(t, work) for t in tensors])
 
 
 def refuse(why: Optional[str], rank: int) -> None:
@@ -104,6 +129,7 @@ class StateAudit(Detector):
         self._keys: Optional[tuple] = None  # (entry index, what, data_ptr) per fingerprinted tensor
         self._baseline: Optional[torch.Tensor] = None  # fingerprints right after the last update
         self._changed: Optional[torch.Tensor] = None  # this check's per-tensor mismatch (device)
+        self._work = _Workspace()
 
     def width(self) -> int:
         return 1
@@ -131,7 +157,7 @@ class StateAudit(Detector):
         keys, tensors = self._held(optimizer, entries)
         if tensors:
             self._optimizer, self._entries = weakref.ref(optimizer), entries
-            self._keys, self._baseline = keys, _fingerprints(tensors)
+            self._keys, self._baseline = keys, _fingerprints(tensors, self._work)
 
     def forget(self) -> None:
         """The weights and state were put back (a rollback): nothing to compare until the next update."""
@@ -146,7 +172,7 @@ class StateAudit(Detector):
         if keys != self._keys:  # other tensors than fingerprinted (a load replaced them): no comparison
             self.forget()
             return
-        self._changed = _fingerprints(tensors) != self._baseline
+        self._changed = _fingerprints(tensors, self._work) != self._baseline
         out[0] = self._changed.sum().to(out.device)
 
     def verdict(self, ctx: CheckContext, reduced: list) -> list:
