@@ -62,6 +62,7 @@ class CheckStage:
         ``seams``: how gradients pair with parameters (``build_entries``, ``current_grads``)."""
         self.config = config
         self.detectors = detectors
+        self._maxabs_wanted = any(d.wants_maxabs for d in detectors)  # the list is fixed for the run
         self.peers = peers
         self.model_chunks = model_chunks
         self.seams = seams
@@ -164,7 +165,7 @@ class CheckStage:
                 vec[_NONFINITE] = (~torch.isfinite(norms)).sum()
             if detectors.magnitude.enabled and detectors.magnitude.param_norm_max is not None:
                 vec[_OVER_PARAM] = (norms > detectors.magnitude.param_norm_max).sum()
-            if saturation or any(d.wants_maxabs for d in self.detectors):
+            if saturation or self._maxabs_wanted:
                 ctx.maxabs = torch.stack(torch._foreach_norm(grads, float("inf"))).float()
             if saturation:  # the findings' overflow counts come with the saturation check only
                 maxabs = ctx.maxabs

@@ -132,7 +132,6 @@ class _Stats:
         self.run = xp.where(j.valid, j.run, self.run)
 
 
-
 class ParamSeries:
     """One :class:`_Stats` row per parameter tensor of this rank, on the device, kept in the order of
     the check's entries: rows follow a parameter by (name, shape) when the entries change (a
