@@ -156,6 +156,16 @@ class PeakConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TokensConfig:
+    enabled: bool = True
+    """Count the token ids each word embedding is fed outside its vocabulary (negative, or at least
+    its row count), on the device, and hand it those ids as 0: a corrupted batch is an incident
+    (kind ``vocab``) naming the rank that fed it, not a lookup that kills the process (one TP rank)
+    or a zero vector nobody sees (tensor parallel). One compare over each micro-batch's ids, one
+    float in the check's vector; no gradient read."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class DetectorsConfig:
     nonfinite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
     """NaN/Inf check."""
@@ -173,6 +183,8 @@ class DetectorsConfig:
     """Held weights and optimizer state compared across the time between two updates (docs/detectors.md)."""
     peak: PeakConfig = field(default_factory=PeakConfig)
     """Each gradient's largest magnitude over its RMS against its own history (docs/detectors.md)."""
+    tokens: TokensConfig = field(default_factory=TokensConfig)
+    """Token ids outside the vocabulary, counted where they enter the model (docs/detectors.md)."""
 
 
 @dataclass(frozen=True, kw_only=True)

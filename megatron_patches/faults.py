@@ -147,25 +147,30 @@ def _indices(spec: Any, tensor: torch.Tensor, generator: torch.Generator) -> Opt
 
 def _bit_masks(spec: Any, dtype: torch.dtype, count: int, generator: torch.Generator) -> torch.Tensor:
     """One XOR mask per element (int64), as the bit pattern of a ``width``-bit signed integer."""
-    width = torch.finfo(dtype).bits
+    width = torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits
     if spec.bits is not None:
         if spec.bits > width:
             raise ConfigError(f"injection {spec.text!r}: bits must be <= {width} for {dtype}, got {spec.bits}")
         picks = torch.rand(count, width, generator=generator).argsort(dim=1)[:, :spec.bits]
         masks = (torch.ones_like(picks) << picks).sum(dim=1)
     else:
-        named = {"exponent_high": width - 2, "mantissa_high": _MANTISSA[dtype] - 1, "mantissa_low": 0}
+        named = {"exponent_high": width - 2, "mantissa_high": _MANTISSA.get(dtype, 1) - 1, "mantissa_low": 0}
         bit = width - 2 if spec.bit is None else named.get(spec.bit, spec.bit)
         if bit >= width:
             raise ConfigError(f"bitflip: bit must be < {width} for {dtype}, got {bit}")
-        masks = torch.full((count,), 1 << bit, dtype=torch.int64)
+        masks = torch.full((count,), (1 << bit) - (1 << 64 if bit == 63 else 0), dtype=torch.int64)
+    if width == 64:  # int64 shifts and sums wrap already: the top bit is the sign bit
+        return masks
     half = 1 << (width - 1)
     return (masks + half) % (1 << width) - half  # the sign bit as a negative number of that width
 
 
 def _changed(spec: Any, values: torch.Tensor, factor: float, generator: torch.Generator) -> torch.Tensor:
-    """``values`` (a flat copy) as the fault leaves them."""
+    """``values`` (a flat copy) as the fault leaves them; integers (token ids) are scaled and
+    noised in float64 and rounded back."""
     kind = spec.kind
+    if not values.is_floating_point() and kind in ("spike", "growth", "scale", "noise"):
+        return _changed(spec, values.double(), factor, generator).round().to(values.dtype)
     if kind in ("nan", "inf", "saturate"):
         fill = {"nan": float("nan"), "inf": float("inf"), "saturate": torch.finfo(values.dtype).max}[kind]
         return torch.full_like(values, fill)
@@ -177,7 +182,7 @@ def _changed(spec: Any, values: torch.Tensor, factor: float, generator: torch.Ge
         noise = torch.randn(values.shape, generator=generator, dtype=torch.float32).to(values.device)
         return (values.float() * (1.0 + factor * noise)).to(values.dtype)
     if kind == "bitflip":
-        int_type = _INT_TYPES[values.element_size()]
+        int_type = values.dtype if not values.is_floating_point() else _INT_TYPES[values.element_size()]
         masks = _bit_masks(spec, values.dtype, values.numel(), generator).to(int_type).to(values.device)
         return (values.view(int_type) ^ masks).view(values.dtype)
     raise ConfigError(f"injection {spec.text!r}: kind {kind!r} changes no tensor")

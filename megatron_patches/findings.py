@@ -212,6 +212,11 @@ def _expert_note(finding: ParamFinding) -> str:
     return f", expert {finding.expert['global']} (EP rank {finding.ranks.get('ep')})" if finding.expert else ""
 
 
+def _fed(finding: ParamFinding) -> bool:
+    """Whether ``finding`` is a rank's input (token ids it fed), not a state it holds."""
+    return any(r.startswith("input:") for r in finding.reasons)
+
+
 def describe(kind: str, findings: list[ParamFinding], total_norm: float,
              origin: Optional[ParamFinding] = None, held: bool = False) -> str:
     """The summary line; ``origin`` (a rank's own finding before the reduction, or with ``held`` a
@@ -225,6 +230,9 @@ def describe(kind: str, findings: list[ParamFinding], total_norm: float,
     if origin is not None:
         head = (f"{what} first at {origin.name} (layer {origin.layer}{_expert_note(origin)}, rank {origin.ranks['global']}, "
                 f"host {origin.host} {origin.device})")
+        if held and _fed(origin):
+            head = (f"token ids outside the vocabulary fed to {origin.name.rsplit('.', 1)[0]} on rank "
+                    f"{origin.ranks['global']} (host {origin.host} {origin.device})")
         if not findings:
             return head
         return f"{head}; after it {len({f.name for f in findings})} parameter(s) on rank(s) " \
@@ -301,8 +309,10 @@ def _origins_note(everyone: list[RankReport], origins: tuple, seen: list[ParamFi
     dp_of = {report.rank: report.ranks["dp"] for report in everyone}
     reached = {dp_of.get(f.ranks["global"], f.ranks["global"]) for f in seen} | {dp_of.get(r, r) for r in origins}
     extra["replicas_reached"] = len(reached)
-    where = ("held in the weights or optimizer state of rank(s)" if any(report.held for report in everyone)
-             else "entered on rank(s)")
+    held = [f for report in everyone for f in report.held]
+    if held and all(map(_fed, held)):
+        return f"; fed by rank(s) {list(origins)}"
+    where = "held in the weights or optimizer state of rank(s)" if held else "entered on rank(s)"
     note = (f"; {where} {list(origins)} before the data-parallel reduction, "
             f"reached {len(reached)} of {world['dp'] * world['cp']} data-parallel replica(s)")
     if _one_expert_parallel_group(everyone, origins):

@@ -75,7 +75,7 @@ def _replace_first(value: Any, spec: Any) -> tuple[Any, bool]:
 
 
 def attach_drills(monitor: Guard, model_chunks: list, ps: Any) -> int:
-    """Hook each ``phase=forward`` and ``phase=backward`` drill onto the modules its pattern names on this rank;
+    """Hook each ``phase=forward``, ``phase=backward`` and ``phase=input`` drill onto the modules its pattern names on this rank;
     returns how many modules were hooked. A pattern matching nothing here is fine (another
     pipeline stage may hold that module). ``ps``: megatron-core's parallel state (``Seams.parallel_state``)."""
     specs = monitor.drills.forward_specs()
@@ -88,9 +88,36 @@ def attach_drills(monitor: Guard, model_chunks: list, ps: Any) -> int:
         monitor.drills.hooked.add(module)
         for index, spec in specs:
             if fnmatch.fnmatchcase(name, spec.module):
-                module.register_forward_hook(_drill_hook(monitor, index, spec, name))
+                if spec.phase == "input":
+                    module.register_forward_pre_hook(_input_drill_hook(monitor, index, spec, name))
+                else:
+                    module.register_forward_hook(_drill_hook(monitor, index, spec, name))
                 hooked += 1
     return hooked
+
+
+def _input_drill_hook(monitor: Guard, index: int, spec: Any, name: str):
+    """Corrupts a copy of the integer ids ``name`` is fed (its first argument) while the drill is due,
+    in every micro-batch of the step. Each time, a warning says how many ids it changed and, where the
+    module has ``num_embeddings``, how many it left outside ``[0, num_embeddings)``: the drill's own
+    account of whether any check could see it (a valid id is valid data), which the campaign reads."""
+    def hook(module, args):
+        ids = args[0] if args else None
+        if not (torch.is_tensor(ids) and not ids.is_floating_point() and ids.numel()):
+            return None
+        step = monitor.upcoming_step()
+        if not monitor.drills.forward_due(index, step, monitor.rank, name):
+            return None
+        copy = ids.clone()
+        faults.corrupt(spec, copy)
+        monitor.count("injected")
+        size = getattr(module, "num_embeddings", None)
+        outside = (f"; {int(((copy < 0) | (copy >= size)).sum())} outside the vocabulary [0, {size})"
+                   if isinstance(size, int) else "")
+        log.warning("step %d: drill %r fired into the token ids fed to %s on rank %d: changed %d of %d%s", step,
+                    spec.text, name, monitor.rank, int((copy != ids).sum()), ids.numel(), outside)
+        return (copy, *args[1:])
+    return hook
 
 
 def _drill_hook(monitor: Guard, index: int, spec: Any, name: str):

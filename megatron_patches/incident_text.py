@@ -126,12 +126,22 @@ def _not_the_suspect(first: Optional[dict]) -> str:
     return f"; {text_of(first.get('name'))}, named first, is not the suspect" if first else ""
 
 
+def _fed(rec: dict) -> bool:
+    """Whether the record is of token ids outside the vocabulary (``detectors.tokens``): its origin is
+    a batch a rank fed, not a gradient or a state."""
+    return isinstance(rec.get("vocab"), dict)
+
+
 def _entered(rec: dict) -> str:
     """The diagnosis's second line: where the fault entered."""
     first = _entry(rec)
     found_by = "Megatron's rerun in place" if isinstance(rec.get("megatron_rerun"), dict) else "the replay"
     forward = rec.get("forward_origin") if isinstance(rec.get("forward_origin"), dict) else None
     backward = rec.get("backward_origin") if isinstance(rec.get("backward_origin"), dict) else None
+    if _fed(rec) and first:
+        return (f"  entered at: the batch: token ids outside the vocabulary fed to "
+                f"{text_of(first.get('name')).rsplit('.', 1)[0]} "
+                f"on rank(s) {rec.get('origin_ranks')}")
     if forward:
         return (f"  entered at: the forward pass, output of {module_text(forward)} on rank(s) {forward.get('ranks')}, "
                 f"found by {found_by}; backward carried it to the gradients"
@@ -155,6 +165,9 @@ def _spread(rec: dict) -> str:
     spread = (f"{_count(rec.get('ranks_affected'))} of {text_of(world.get('size'))} ranks, "
               f"{_count(rec.get('params'))} parameter(s)")
     origins = rec.get("origin_ranks") if isinstance(rec.get("origin_ranks"), list) else []
+    if origins and _fed(rec):
+        return (f"  spread: none: the {text_of(rec['vocab'].get('ids_outside'))} id(s) were replaced by 0 before the "
+                f"lookup on rank(s) {origins}")
     if origins:
         replicas = (world["dp"] * world.get("cp", 1) if isinstance(world.get("dp"), int)
                     and isinstance(world.get("cp", 1), int) else None)
@@ -199,7 +212,8 @@ def _done(rec: dict) -> str:
     if isinstance(rec.get("blacklisted"), list) and rec["blacklisted"]:
         done.append(f"{len(rec['blacklisted'])} sample(s) blacklisted")
     if isinstance(rec.get("origin_ranks"), list) and rec["origin_ranks"]:
-        done.append(f"entered before the data-parallel reduction on rank(s) {rec['origin_ranks']}")
+        where = "fed by" if _fed(rec) else "entered before the data-parallel reduction on"
+        done.append(f"{where} rank(s) {rec['origin_ranks']}")
     if rec.get("reason"):
         done.append(f"graded {text_of(rec.get('severity'))}: {rec['reason']}")
     samples = rec["batch"].get("samples") if isinstance(rec.get("batch"), dict) else None
@@ -228,9 +242,11 @@ def _drills(injected: Any) -> str:
     said = []
     for entry in injected:
         if isinstance(entry, dict):
+            drill = str(entry.get("drill"))
+            into = ("token ids fed to " if "phase=input" in drill else
+                    "gradient into the output of " if "phase=backward" in drill else "output of ")
             target = (f"sample {entry['sample']}" if "sample" in entry else
-                      f"{'gradient into the ' if 'phase=backward' in str(entry.get('drill')) else ''}output of "
-                      f"{entry['module']}" if "module" in entry else text_of(entry.get("param")))
+                      f"{into}{entry['module']}" if "module" in entry else text_of(entry.get("param")))
             text = f"{text_of(entry.get('drill'))} -> {target} on rank {text_of(entry.get('rank'))}"
         else:  # records written before 'injected' said what fired: the spec text
             text = text_of(entry)

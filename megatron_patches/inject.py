@@ -23,8 +23,10 @@ parallelism the ranks that sent the module its tokens; ``param``: the weight thi
 steps, right before the step's update, so that one replica's copy silently differs from the
 others' from then on, as a card that corrupts memory would leave it; ``state``: the Adam state of
 that weight in the rank's optimizer (its own shard under the distributed optimizer), right before
-the update),
-``module`` (phases forward and backward only, required: fnmatch pattern on the global dotted
+the update; ``input``: the integer token ids fed to ``module`` (its first argument, e.g.
+``embedding.word_embeddings``), as a corrupted batch would bring them, with kinds bitflip (a bit
+index or ``bits=N``), sign, scale, spike and noise (results rounded to integers)),
+``module`` (phases forward, backward and input only, required: fnmatch pattern on the global dotted
 module name, as ``named_modules()`` gives it without wrapper prefixes, e.g. ``decoder.layers.1.mlp``),
 ``factor`` (spike, growth, scale, noise), ``bit`` (bitflip: an index or ``exponent_high``,
 ``mantissa_high``, ``mantissa_low``), ``bits`` (bitflip: N bits drawn per element), ``scope``
@@ -61,11 +63,13 @@ from .errors import ConfigError, exit_refused
 log = logging.getLogger("megatron_patches")
 
 KINDS = ("nan", "inf", "spike", "bitflip", "saturate", "poison", "growth", "kill") + faults.NEW_KINDS
-PHASES = ("grad", "local", "param", "forward", "backward", "state")
-MODULE_PHASES = ("forward", "backward")
+PHASES = ("grad", "local", "param", "forward", "backward", "state", "input")
+MODULE_PHASES = ("forward", "backward", "input")
 """Phases whose drills act on a module (``module=NAME``), not on a parameter's gradient."""
 _KEYS = ("step", "param", "rank", "count", "phase", "factor", "sample", "bit", "module") + faults.KEYS
 _FORWARD_KINDS = ("nan", "inf", "spike") + faults.NEW_KINDS + ("bitflip",)
+_INPUT_KINDS = ("spike", "bitflip") + faults.NEW_KINDS
+"""Kinds that change integer token ids (no NaN or Inf exists in them)."""
 
 
 @dataclass(frozen=True)
@@ -135,12 +139,16 @@ def parse_spec(text: str) -> InjectionSpec:
             raise ConfigError(f"injection {text!r}: phase must be one of {', '.join(PHASES)}, got {values['phase']!r}")
         spec["phase"] = values["phase"]
     if spec.get("phase") in MODULE_PHASES:
-        if kind not in _FORWARD_KINDS or "module" not in values or "param" in values:
+        kinds = _INPUT_KINDS if spec["phase"] == "input" else _FORWARD_KINDS
+        if kind not in kinds or "module" not in values or "param" in values:
             raise ConfigError(f"injection {text!r}: phase={spec['phase']} takes module=NAME (a module's dotted "
-                              f"name) and no param, with kind {', '.join(_FORWARD_KINDS)}")
+                              f"name) and no param, with kind {', '.join(kinds)}")
+        if spec["phase"] == "input" and values.get("bit") in faults.BIT_NAMES:
+            raise ConfigError(f"injection {text!r}: phase=input changes integer token ids, which have no exponent "
+                              f"or mantissa: give bit as an index (0 = the lowest) or bits=N")
         spec["module"] = values["module"]
     elif "module" in values:
-        raise ConfigError(f"injection {text!r}: module applies to phases {' and '.join(MODULE_PHASES)} only")
+        raise ConfigError(f"injection {text!r}: module applies to phases {', '.join(MODULE_PHASES)} only")
     return InjectionSpec(**spec, **faults.read_keys(kind, values, text, spec.get("phase", "grad")))
 
 
@@ -188,7 +196,7 @@ class Injector:
         spec = self.specs[index]
         if not (spec.covers(step) and (index, step) not in self._fired and spec.rank in (None, rank)):
             return False
-        if index not in self._started:
+        if index not in self._started and spec.phase != "input":  # an input drill says what it changed itself
             where = "the output" if spec.phase == "forward" else "the gradient of the output"
             log.warning("step %d: drill %r fired into %s of %s on rank %d", step, spec.text, where, module, rank)
         self._started.add(index)

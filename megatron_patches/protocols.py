@@ -197,6 +197,8 @@ class Guard(Protocol):
     """The last check's total norm (a device tensor) until Megatron's get_grad_norm takes it (:mod:`~megatron_patches.seams.served_norm`)."""
     routing: "RoutingWatch"
     """Tokens per expert and router finiteness of the step being made (:mod:`~megatron_patches.moe_routing`)."""
+    detectors: list
+    """The run's detectors (:mod:`~megatron_patches.detectors`): a registered model is handed to their ``attach``."""
 
     # The run's state beside the pipeline (what the hooks and seams keep between calls).
     drills: "Injector"

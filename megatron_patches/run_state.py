@@ -151,7 +151,7 @@ def build(config: Config, seams: Seams) -> RunState:
     drills = inject.build(config.inject, clock=lambda: (clock.upcoming(), collectives.rank()))
     model_chunks = seams.model_chunks()
     peers = collectives.BoundedGroup(config.response.peer_timeout_s)
-    detectors = detector_plugins.build(config, seams.parallel_state)
+    detectors = detector_plugins.build(config, seams.parallel_state, clock.upcoming)
     report_dir = os.path.abspath(config.report_dir)
     return RunState(
         config=config, seams=seams, report_dir=report_dir,

@@ -25,6 +25,8 @@ from typing import Optional
 
 PARAM = "decoder.layers.1.mlp.linear_fc1.weight"
 MODULE = "decoder.layers.1.mlp"
+EMBEDDING = "embedding.word_embeddings"
+"""The input target's module: the token ids it is fed are the batch's."""
 LAYER = 1
 WARMUP = 24  # history's 20-step warm-up and a margin; the first checkpoint (rollback target) is the step before
 GAP = 6  # a fault every GAP steps: its step, DETECT steps to be found, the rest clean controls
@@ -44,6 +46,16 @@ KINDS = {  # label -> (drill kind, extra keys)
     "scale:x1000": ("scale", "factor=1000"),
     "noise:1%": ("noise", "factor=0.01"),
 }
+INPUT_KINDS = {  # the input target's menu: token ids are integers (no NaN, Inf, exponent or mantissa)
+    "bitflip:bit=0": ("bitflip", "bit=0"),
+    "bitflip:bit=30": ("bitflip", "bit=30"),
+    "bitflip:bit=63": ("bitflip", "bit=63"),
+    "bitflip:bits=3": ("bitflip", "bits=3"),
+    "sign": ("sign", ""),
+    "scale:x2": ("scale", "factor=2"),
+    "scale:x1000": ("scale", "factor=1000"),
+    "noise:1%": ("noise", "factor=0.01"),
+}
 SCOPES = ("element", "row", "1pct", "10pct", "all")
 TARGETS = {  # label -> drill keys; {rank} is filled per layout
     "local": f"phase=local,param={PARAM}",
@@ -52,6 +64,7 @@ TARGETS = {  # label -> drill keys; {rank} is filled per layout
     "exp_avg": f"phase=state,slot=exp_avg,param={PARAM}",
     "exp_avg_sq": f"phase=state,slot=exp_avg_sq,param={PARAM}",
     "forward": f"phase=forward,module={MODULE}",
+    "input": f"phase=input,module={EMBEDDING}",
 }
 LASTING = ("param", "exp_avg", "exp_avg_sq")
 """Targets whose fault stays (in the weights, the optimizer state) until a rollback removes it."""
@@ -74,6 +87,16 @@ cells are the same trainings as without the opt-in detectors, bar their reads)."
 FULL_DETECTORS = "detectors: {audit: {enabled: true}, peak: {enabled: true}}\n"
 """What a ``+full`` layout adds to the guard's defaults: the two detectors that are off by default
 for what they read (the state audit, gradient peaks)."""
+
+
+INPUT_RANK = {"pp2": 0, "pp2+full": 0}
+"""Where an input fault is bound when not to the layout's own rank: under PP2 the embedding is on
+the first stage."""
+
+
+def kinds_of(target: str) -> dict:
+    """The menu of kinds for ``target``: :data:`INPUT_KINDS` for the token ids, else :data:`KINDS`."""
+    return INPUT_KINDS if target == "input" else KINDS
 
 
 def full(layout: str) -> bool:
@@ -107,6 +130,14 @@ _SIGN_GRAD = ("keeps every magnitude the detectors read (norms are sign-blind), 
               "points against its Adam momentum on about half of the updates (69 % of 129 clean bf16 updates here, "
               "cosine -0.46 to 0.44; 51 % on real text, -0.85 to 0.86; tests/test_campaign.py), so a reversed one "
               "is what a clean step looks like; and no replica holds ")
+
+VALID_IDS = ("every id the fault changed stayed inside the vocabulary (the drill's own count when it fired, "
+             "\"0 outside the vocabulary\"): the batch became other valid tokens, which the model reads as it "
+             "reads any text; only the data's source (a checksum of the shard) can tell a wrong token from a "
+             "right one, not the numbers the guard sees")
+"""Why an input cell is undetectable by design, where its fault left every id a valid one: decided
+per cell from what the drill did (a low bit, 1 % noise or x2 of a small id often stays inside),
+never from what the guard saw."""
 
 REASONS = {  # (kind, target) -> (scopes, why a cell is undetectable by design)
     **{("bitflip:mantissa_low", t): (_ALL, _ULP) for t in TARGETS},
@@ -166,10 +197,12 @@ class Cell:
     def rank(self) -> int:
         """The rank the drill is bound to, which is also the rank set a strict score expects."""
         _, _, own, holder = LAYOUTS[self.layout]
+        if self.target == "input":
+            return INPUT_RANK.get(self.layout, own)
         return own if self.target in ("local", "forward") else holder
 
     def spec(self, step: int) -> str:
-        kind, extra = KINDS[self.kind]
+        kind, extra = kinds_of(self.target)[self.kind]
         keys = [f"step={step}", TARGETS[self.target], f"rank={self.rank()}", f"scope={self.scope}",
                 f"seed={SEED}", extra]
         return f"{kind}:" + ",".join(k for k in keys if k)
@@ -181,16 +214,17 @@ class Cell:
         return why if self.scope in scopes else None
 
 
-def cells(quick: bool = False, layouts: Optional[tuple] = None) -> list[Cell]:
+def cells(quick: bool = False, layouts: Optional[tuple] = None, targets: Optional[tuple] = None) -> list[Cell]:
     """Every cell of the menu (quick: one scope per kind, the lasting targets only where ``+full``),
-    ordered layout, target, scope, kind; ``layouts`` default: all (quick: :data:`QUICK_LAYOUTS`)."""
+    ordered layout, target, scope, kind; ``layouts`` default: all (quick: :data:`QUICK_LAYOUTS`);
+    ``targets`` default: all."""
     found = []
     for layout in layouts or (QUICK_LAYOUTS if quick else tuple(LAYOUTS)):
-        for target in TARGETS:
+        for target in targets or TARGETS:
             if quick and full(layout) and target not in LASTING:
                 continue
             for scope in SCOPES:
-                for kind in KINDS:
+                for kind in kinds_of(target):
                     if quick and scope != QUICK_SCOPE.get(kind, "element"):
                         continue
                     found.append(Cell(kind, scope, target, layout))
@@ -218,6 +252,8 @@ def names_target(cell: Cell, record: dict) -> bool:
     origin = (record.get("forward_origin") or {}).get("module")
     if cell.target == "forward":
         return origin == MODULE or (record.get("first") or {}).get("layer") == LAYER and origin is None
+    if cell.target == "input":
+        return first == f"{EMBEDDING}.weight"
     return first == PARAM or origin == PARAM.rsplit(".", 1)[0]
 
 
@@ -231,8 +267,16 @@ def episode(window: list[dict], incidents: list[dict]) -> set[int]:
     return steps
 
 
-def score(cell: Cell, step: int, incidents: list[dict], losses: dict, finished: bool) -> dict:
-    """One cell's scores from its run's incident records and last loss per step."""
+def reason_of(cell: Cell, outside: Optional[int]) -> Optional[str]:
+    """Why ``cell`` is undetectable by design, or None; ``outside`` as for :func:`score`."""
+    return VALID_IDS if cell.target == "input" and outside == 0 else cell.reason()
+
+
+def score(cell: Cell, step: int, incidents: list[dict], losses: dict, finished: bool,
+          outside: Optional[int] = None) -> dict:
+    """One cell's scores from its run's incident records and last loss per step; ``outside``: for an
+    input cell, how many ids its fault left outside the vocabulary (its drill's line): none makes the
+    cell undetectable by design (:data:`VALID_IDS`)."""
     window = [r for r in incidents if step <= r["step"] <= step + DETECT]
     first = min(window, key=lambda r: r["step"]) if window else None
     controls = [r for r in incidents if step + DETECT < r["step"] < step + GAP
@@ -242,7 +286,9 @@ def score(cell: Cell, step: int, incidents: list[dict], losses: dict, finished: 
     row = {**asdict(cell), "key": cell.key, "step": step, "spec": cell.spec(step), "rank": cell.rank(),
            "detected": first is not None, "localized": False, "steps_to_detect": None,
            "false_positives": len(controls), "recovered": finished and loss is not None,
-           "reason": cell.reason()}
+           "reason": reason_of(cell, outside)}
+    if cell.target == "input":
+        row["outside"] = outside
     if first is not None:
         row["steps_to_detect"] = first["step"] - step
         row["reported_ranks"] = reported_ranks(first)

@@ -42,6 +42,7 @@ scene: {enabled: false}
 """
 BEGIN, END = "<!-- campaign:begin (scripts/fault_campaign.py --write-docs) -->", "<!-- campaign:end -->"
 _STEP = re.compile(r"^step\s+(\d+)/\d+ \| loss (\S+)")
+_FED = re.compile(r"drill '([^']+)' fired into the token ids .*; (\d+) outside the vocabulary")
 
 
 def default_runner(out: Path, args: list, nproc: int) -> tuple[int, str]:
@@ -59,6 +60,15 @@ def losses_of(output: str) -> dict:
         if match:
             value = float(match.group(2)) if match.group(2) not in ("nan", "inf", "-inf", "-") else None
             found[int(match.group(1))] = value
+    return found
+
+
+def outside_of(output: str) -> dict:
+    """Input drill spec -> how many ids it left outside the vocabulary, summed over its lines (one per
+    micro-batch it fired into, on any rank)."""
+    found: dict = {}
+    for match in filter(None, map(_FED.search, output.splitlines())):
+        found[match.group(1)] = found.get(match.group(1), 0) + int(match.group(2))
     return found
 
 
@@ -81,7 +91,7 @@ def run_group(group: list, workdir: Path, runner, progress) -> list[dict]:
         for index, cell in enumerate(pending):
             args += ["--inject", cell.spec(cc.fault_step(index))]
         code, output = runner(out, args, nproc)
-        losses = losses_of(output)
+        losses, outside = losses_of(output), outside_of(output)
         incidents = [json.loads(line) for line in (out / "incidents.jsonl").read_text().splitlines()
                      if line.strip()] if (out / "incidents.jsonl").exists() else []
         reached = max(losses, default=0)
@@ -90,7 +100,8 @@ def run_group(group: list, workdir: Path, runner, progress) -> list[dict]:
             step = cc.fault_step(index)
             if step > reached and code != 0:
                 break  # never reached: a fresh run carries it
-            row = cc.score(cell, step, incidents, losses, code == 0 or step + cc.GAP - 1 <= reached)
+            row = cc.score(cell, step, incidents, losses, code == 0 or step + cc.GAP - 1 <= reached,
+                           outside.get(cell.spec(step)))
             row["run"] = out.name
             done.append(row)
             progress(row)
@@ -146,7 +157,9 @@ def markdown(result: dict) -> str:
               f"`{meta['json']}`. Target parameter `{cc.PARAM}`, "
               f"module `{cc.MODULE}`; DP2 binds local and forward faults to rank 1, gradient, weight and "
               f"state faults to rank {cc.SHARD_HOLDER} (its shard holds the parameter); TP2 and PP2 bind "
-              "every fault to rank 1 (TP: its half of the parameter; PP: the stage that holds it).", "",
+              "every fault to rank 1 (TP: its half of the parameter; PP: the stage that holds it), except the "
+              f"input faults (the token ids fed to `{cc.EMBEDDING}`, integers: their own menu of kinds), which "
+              "PP2 binds to rank 0, the stage that holds the embedding.", "",
               "| layout | cells | detected | strictly localized | false positives on controls | recovered | "
               "detectable: detected / localized | undetectable by design |", "|---|---|---|---|---|---|---|---|"]
     for layout, t in result["totals"].items():
@@ -161,7 +174,7 @@ def markdown(result: dict) -> str:
         lines += [f"**{layout}**", "", "| target | kind | " + " | ".join(scopes) + " |",
                   "|---|---|" + "---|" * len(scopes)]
         for target in cc.TARGETS:
-            for kind in cc.KINDS:
+            for kind in cc.kinds_of(target):
                 mine = {r["scope"]: r for r in rows if (r["layout"], r["target"], r["kind"]) == (layout, target, kind)}
                 if mine:
                     lines.append(f"| {target} | {kind} | " + " | ".join(mark(mine[s]) if s in mine else ""
@@ -171,6 +184,10 @@ def markdown(result: dict) -> str:
     for (kind, target), (covered, why) in cc.REASONS.items():
         if any(r["kind"] == kind and r["target"] == target for r in rows):
             lines.append(f"- {kind}, {target} ({', '.join(covered)}): {why.rstrip('.')}.")
+    valid = [r for r in rows if r["target"] == "input" and r["reason"] == cc.VALID_IDS]
+    if valid:
+        lines.append(f"- input, where the fault left every id valid ({len(valid)} cells: "
+                     f"{', '.join(sorted({r['kind'] for r in valid}))}): {cc.VALID_IDS}.")
     return "\n".join(lines) + "\n"
 
 
@@ -188,6 +205,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="one scope per kind (the CI test's cells)")
     p.add_argument("--layouts", nargs="+", choices=list(cc.LAYOUTS),
                    help=f"default: all ({', '.join(cc.LAYOUTS)}); --quick: {', '.join(cc.QUICK_LAYOUTS)}")
+    p.add_argument("--targets", nargs="+", choices=list(cc.TARGETS), help="default: all")
     p.add_argument("--out", default="runs/campaign", help="where the runs go (default runs/campaign)")
     p.add_argument("--json", help="write the result here (default: OUT/campaign.json)")
     p.add_argument("--per-run", type=int, default=60, help="cells carried by one training (default 60)")
@@ -198,7 +216,7 @@ def main(argv=None) -> int:
         result = json.loads(Path(args.from_json).read_text())
         by_key = {c.key: c for c in cc.cells(result["meta"]["quick"])}
         for row in result["rows"]:
-            row["reason"] = by_key[row["key"]].reason()
+            row["reason"] = cc.reason_of(by_key[row["key"]], row.get("outside"))
         result["totals"] = cc.totals(result["rows"])
         Path(args.from_json).write_text(json.dumps(result, indent=1) + "\n")
     else:
@@ -207,7 +225,7 @@ def main(argv=None) -> int:
         os.makedirs(args.out, exist_ok=True)
         workdir = Path(tempfile.mkdtemp(prefix="campaign.", dir=args.out))
         started = time.time()
-        rows = campaign(cc.cells(args.quick, tuple(args.layouts or ())), workdir, args.per_run)
+        rows = campaign(cc.cells(args.quick, tuple(args.layouts or ()), tuple(args.targets or ())), workdir, args.per_run)
         target = Path(args.json or Path(args.out) / "campaign.json")
         result = {"meta": {"quick": args.quick, "seed": cc.SEED, "megatron_core": version("megatron-core"),
                            "seconds": time.time() - started, "cpus": os.cpu_count(), "json": str(target)},

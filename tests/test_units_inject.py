@@ -77,12 +77,17 @@ REFUSED = [
     ("nan:step=1,rank=one", "rank must be an integer, got 'one'"),
     ("nan:step=1,count=0", "count must be >= 1, got 0"),
     ("nan:step=1,sample=2", "sample applies to poison only"),
-    ("nan:step=1,phase=sideways", "phase must be one of grad, local, param, forward, backward, state, got 'sideways'"),
+    ("nan:step=1,phase=sideways", "phase must be one of grad, local, param, forward, backward, state, input, got "
+                                  "'sideways'"),
+    ("nan:step=1,phase=input,module=embedding.word_embeddings",
+     "phase=input takes module=NAME (a module's dotted name) and no param, with kind spike, bitflip, sign, scale, noise"),
+    ("bitflip:step=1,phase=input,module=m,bit=exponent_high",
+     "phase=input changes integer token ids, which have no exponent or mantissa: give bit as an index"),
     ("nan:step=1,phase=backward", "phase=backward takes module=NAME"),
     ("nan:step=1,phase=forward", "phase=forward takes module=NAME"),
     ("nan:step=1,phase=forward,module=m,param=p", "phase=forward takes module=NAME"),
     ("saturate:step=1,phase=forward,module=m", "with kind nan, inf, spike, sign, scale, noise, bitflip"),
-    ("nan:step=1,module=decoder", "module applies to phases forward and backward only"),
+    ("nan:step=1,module=decoder", "module applies to phases forward, backward, input only"),
     ("nan:step=1,bit=3", "bit applies to bitflip only"),
     ("bitflip:step=1,bit=-1", "bit must be >= 0, got -1"),
     ("nan:step=1,factor=2", "factor applies to spike, growth, scale, noise only"),
@@ -194,7 +199,8 @@ def test_a_grad_drill_is_held_where_the_optimizer_steps_its_gradient_and_a_modul
         f"nan:step=2,param={NAMES[2]},rank=1",
         f"nan:step=2,param={NAMES[2]},rank=0,phase=local",      # every replica holds it before the shards
         "nan:step=2,rank=1",                                    # the first parameter: rank 0's shard
-        "spike:step=2,phase=backward,module=decoder.layers.1.mlp,rank=0")])
+        "spike:step=2,phase=backward,module=decoder.layers.1.mlp,rank=0",
+        "sign:step=2,phase=input,module=embedding,rank=1")])                # the first stage's
     params = [(name, order) for order, name in enumerate(NAMES)]
     rank0 = drills.holds(params, params[:2], MODULES[:2])
     rank1 = drills.holds(params, params[2:], MODULES[2:])
@@ -205,6 +211,8 @@ def test_a_grad_drill_is_held_where_the_optimizer_steps_its_gradient_and_a_modul
             "rank 1; held on rank(s) 0: ") in line
     assert ("'spike:step=2,phase=backward,module=decoder.layers.1.mlp,rank=0' (no module matches "
             "'decoder.layers.1.mlp' on rank 0; held on rank(s) 1: ") in line
+    assert ("'sign:step=2,phase=input,module=embedding,rank=1' (no module matches 'embedding' on rank 1; held on "
+            "rank(s) 0: ") in line
     assert f"'nan:step=2,param={NAMES[2]},rank=1' (" not in line and "phase=local" not in line
 
 
@@ -361,3 +369,31 @@ def test_a_state_drill_takes_its_slot_of_the_adam_state():
     [(name, order, state)] = faults.optimizer_state(types.SimpleNamespace(optimizer=adam), [entry])
     assert faults.corrupt(parse_spec("nan:step=1,phase=state,slot=exp_avg_sq"), state)
     assert torch.isnan(state["exp_avg_sq"]).sum() == 1 and not torch.isnan(state["exp_avg"]).any()
+
+
+# --- phase=input: the token ids a rank feeds (issue 40) --------------------------------------------
+
+def test_an_input_fault_changes_integer_ids_and_keeps_their_dtype():
+    """Token ids are integers: bit 63 makes them negative, bit 0 turns an id into its neighbour (inside
+    an even vocabulary), scale and noise round back to integers; nothing turns into a float."""
+    import torch
+
+    from megatron_patches import faults
+
+    ids = torch.arange(128, dtype=torch.int64).reshape(4, 32)
+
+    def hit(text):
+        copy = ids.clone()
+        faults.corrupt(parse_spec(f"{text},step=1,phase=input,module=embedding.word_embeddings,seed=1234"), copy)
+        assert copy.dtype == torch.int64
+        return copy
+
+    assert (hit("bitflip:bit=63,scope=all") < 0).all()
+    low = hit("bitflip:bit=0,scope=all")
+    assert torch.equal(low, ids ^ 1) and ((low >= 0) & (low < 128)).all()
+    assert torch.equal(hit("scale:factor=1000,scope=all"), ids * 1000)
+    assert torch.equal(hit("sign:scope=all"), -ids)
+    noisy = hit("noise:scope=all")
+    assert ((noisy - ids).abs() <= 0.05 * ids + 0.5).all() and (noisy != ids).any()  # within 5 sigma of 1 %, rounded
+    row = hit("bitflip:bit=30,scope=row")
+    assert (row != ids).sum() == 32 and (row != ids).any(dim=1).sum() == 1

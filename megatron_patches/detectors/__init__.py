@@ -22,13 +22,15 @@ from .consistency import ConsistencyDetector
 from .history import HistoryDetector
 from .peak import PeakDetector
 from .peers import PeersDetector
+from .tokens import TokenRange
 
 __all__ = ["CheckContext", "Detector", "Rotation", "build"]
 
 
-def build(config: Any, parallel_state: Callable[[], Any]) -> list:
+def build(config: Any, parallel_state: Callable[[], Any], step_of: Callable[[], int] = lambda: 0) -> list:
     """The detectors ``config`` switches on, in a fixed order (the vector layout depends on it).
-    ``parallel_state``: where they read the job's layout (``Seams.parallel_state``)."""
+    ``parallel_state``: where they read the job's layout (``Seams.parallel_state``); ``step_of``:
+    the step being made now (for those that watch the forward pass)."""
     settings = config.detectors
     detectors: list = []
     if settings.history.enabled:
@@ -41,4 +43,6 @@ def build(config: Any, parallel_state: Callable[[], Any]) -> list:
         detectors.append(StateAudit(settings.audit))
     if settings.peak.enabled:
         detectors.append(PeakDetector(settings.peak))
+    if settings.tokens.enabled:
+        detectors.append(TokenRange(settings.tokens, step_of))
     return detectors

@@ -102,6 +102,12 @@ class Detector:
     def commit(self, ctx: CheckContext, accepted: bool) -> None:
         """After the decision: ``accepted`` is False when the step was skipped or rolled back."""
 
+    def attach(self, model_chunks: list, ps: Any) -> int:
+        """A model was registered with the guard (``ps``: megatron-core's parallel state): hook what
+        the detector watches in the forward pass; returns how many modules were hooked. Called once
+        per model registration, so a module already hooked must be skipped."""
+        return 0
+
     def before_reduction(self, model_chunks: list, step: int) -> None:
         """Right before the data-parallel gradient reduction of a step."""
 

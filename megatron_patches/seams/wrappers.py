@@ -54,6 +54,8 @@ def register_model(optimizer: Any, model_chunks: list) -> None:
     if _monitor.drills.forward_specs():
         forward_origin.attach_drills(_monitor, chunks, parallel_state())
     _monitor.routing.attach(chunks, parallel_state())  # after the drills: a drilled router is seen as broken (MoE routers, if any)
+    for detector in _monitor.detectors:  # after the drills too: the token range check sees drilled ids
+        detector.attach(chunks, parallel_state())
 
 
 @contextlib.contextmanager
