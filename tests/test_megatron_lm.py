@@ -1048,3 +1048,24 @@ def test_a_bucket_nan_on_a_step_the_guard_does_not_check_ends_with_megatrons_17_
     ledger = Ledger.load(str(save))
     assert ledger.events == [{"step": 4, "megatron_exit": 17, "state": "RERUNNING_IN_PLACE"}], ledger.events
     assert ledger.rollbacks == 0 and ledger.spent_injections == [drill]
+
+
+@pytest.mark.multiproc
+def test_token_ids_outside_the_vocabulary_from_one_rank_are_named_there_in_megatrons_loop(loop_kind, request,
+                                                                                         tmp_path):
+    """Megatron-LM's own batches: rank 1's token ids at iteration 3 get bit 30 flipped in one place
+    (``phase=input``). The word embedding's pre-hook (``detectors.tokens``) counts it, hands the
+    lookup 0 instead, and the step is skipped with rank 1 named; Megatron's loop trains on."""
+    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
+    drill = "bitflip:step=3,rank=1,phase=input,module=embedding.word_embeddings,bit=30,scope=element"
+    proc = loop.run(guard_env(tmp_path, inject=[drill]))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "fired into the token ids fed to embedding.word_embeddings on rank 1: changed 1 of" in output
+    [incident] = incidents(tmp_path)
+    assert (incident["step"], incident["kind"], incident["action"]) == (3, "vocab", "skip_step")
+    assert incident["origin_ranks"] == [1] and incident["first"]["reasons"] == ["input:vocab"]
+    assert incident["first"]["name"] == "embedding.word_embeddings.weight"
+    assert incident["vocab"]["ids_outside"] >= 1
+    logged = iterations(output)
+    assert "number of skipped iterations:   1" in logged[3] and sorted(logged)[-1] == 6
