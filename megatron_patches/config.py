@@ -156,6 +156,28 @@ class PeakConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ActivationsConfig:
+    enabled: bool = False
+    """Judge each watched module's output RMS and crest factor (largest magnitude over RMS) against
+    its own history on checked steps: an activation gone far off while finite (x1,000, a flipped
+    exponent bit), which the next layer norm hides from the gradients, and the rank it happened on.
+    Off by default: one more read of every watched output per micro-batch of a checked step."""
+    modules: tuple[str, ...] = field(default=("decoder.layers.*.self_attention", "decoder.layers.*.mlp"),
+                                     metadata={"check": check.patterns})
+    """fnmatch patterns on the global dotted module names whose outputs are watched."""
+    ema_beta: float = field(default=0.9, metadata={"check": check.fraction})
+    """Decay of the moving mean and variance of the log RMS and log crest factor per checked step
+    (faster than history's: an output's RMS grows several-fold early in training, and a slow mean
+    lags that trend, which widens the variance until a x1,000 falls inside it)."""
+    warmup_steps: int = field(default=20, metadata={"check": check.at_least_one})
+    """Accepted steps a module needs before it is judged (a restored baseline counts)."""
+    zscore: float = field(default=8.0, metadata={"check": check.positive})
+    """Flag a log RMS or log crest factor more than this many standard deviations above its mean..."""
+    min_ratio: float = field(default=8.0, metadata={"check": check.at_least_one})
+    """...and more than this many times its baseline exp(mean)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class TokensConfig:
     enabled: bool = True
     """Count the token ids each word embedding is fed outside its vocabulary (negative, or at least
@@ -183,6 +205,8 @@ class DetectorsConfig:
     """Held weights and optimizer state compared across the time between two updates (docs/detectors.md)."""
     peak: PeakConfig = field(default_factory=PeakConfig)
     """Each gradient's largest magnitude over its RMS against its own history (docs/detectors.md)."""
+    activations: ActivationsConfig = field(default_factory=ActivationsConfig)
+    """Each watched module's output against its own history (docs/detectors.md)."""
     tokens: TokensConfig = field(default_factory=TokensConfig)
     """Token ids outside the vocabulary, counted where they enter the model (docs/detectors.md)."""
 

@@ -28,6 +28,12 @@ def fraction(value: Any) -> Optional[str]:
     return None
 
 
+def patterns(value: Any) -> Optional[str]:
+    if not value or not all(isinstance(item, str) and item for item in value):
+        return "must be a non-empty list of non-empty names or fnmatch patterns"
+    return None
+
+
 def known_features(value: Any) -> Optional[str]:
     names = unknown_features(value or ())
     if names:

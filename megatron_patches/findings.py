@@ -217,6 +217,11 @@ def _fed(finding: ParamFinding) -> bool:
     return any(r.startswith("input:") for r in finding.reasons)
 
 
+def _output(finding: ParamFinding) -> bool:
+    """Whether ``finding`` is a module's output gone off its history (``detectors.activations``)."""
+    return any(r.startswith("activation:") for r in finding.reasons)
+
+
 def describe(kind: str, findings: list[ParamFinding], total_norm: float,
              origin: Optional[ParamFinding] = None, held: bool = False) -> str:
     """The summary line; ``origin`` (a rank's own finding before the reduction, or with ``held`` a
@@ -233,6 +238,11 @@ def describe(kind: str, findings: list[ParamFinding], total_norm: float,
         if held and _fed(origin):
             head = (f"token ids outside the vocabulary fed to {origin.name.rsplit('.', 1)[0]} on rank "
                     f"{origin.ranks['global']} (host {origin.host} {origin.device})")
+        elif held and _output(origin):
+            what = " and ".join("RMS" if r == "activation:rms" else "crest factor"
+                                for r in origin.reasons if r.startswith("activation:"))
+            head = (f"output {what} far above its history first at {origin.name} (layer {origin.layer}, rank "
+                    f"{origin.ranks['global']}, host {origin.host} {origin.device})")
         if not findings:
             return head
         return f"{head}; after it {len({f.name for f in findings})} parameter(s) on rank(s) " \
@@ -312,6 +322,8 @@ def _origins_note(everyone: list[RankReport], origins: tuple, seen: list[ParamFi
     held = [f for report in everyone for f in report.held]
     if held and all(map(_fed, held)):
         return f"; fed by rank(s) {list(origins)}"
+    if held and all(map(_output, held)):
+        return f"; the forward pass went off first on rank(s) {list(origins)}"
     where = "held in the weights or optimizer state of rank(s)" if held else "entered on rank(s)"
     note = (f"; {where} {list(origins)} before the data-parallel reduction, "
             f"reached {len(reached)} of {world['dp'] * world['cp']} data-parallel replica(s)")

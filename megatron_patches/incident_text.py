@@ -132,12 +132,21 @@ def _fed(rec: dict) -> bool:
     return isinstance(rec.get("vocab"), dict)
 
 
+def _went_off(rec: dict) -> bool:
+    """Whether the record's origin is a module's output gone off its history (``detectors.activations``)."""
+    first = rec.get("first") if isinstance(rec.get("first"), dict) else {}
+    return any(str(r).startswith("activation:") for r in first.get("reasons") or ())
+
+
 def _entered(rec: dict) -> str:
     """The diagnosis's second line: where the fault entered."""
     first = _entry(rec)
     found_by = "Megatron's rerun in place" if isinstance(rec.get("megatron_rerun"), dict) else "the replay"
     forward = rec.get("forward_origin") if isinstance(rec.get("forward_origin"), dict) else None
     backward = rec.get("backward_origin") if isinstance(rec.get("backward_origin"), dict) else None
+    if _went_off(rec):
+        return (f"  entered at: the forward pass, output of {text_of(first.get('name'))} (layer "
+                f"{text_of(first.get('layer'))}) on rank(s) {rec.get('origin_ranks')}, far above its history")
     if _fed(rec) and first:
         return (f"  entered at: the batch: token ids outside the vocabulary fed to "
                 f"{text_of(first.get('name')).rsplit('.', 1)[0]} "
@@ -165,6 +174,9 @@ def _spread(rec: dict) -> str:
     spread = (f"{_count(rec.get('ranks_affected'))} of {text_of(world.get('size'))} ranks, "
               f"{_count(rec.get('params'))} parameter(s)")
     origins = rec.get("origin_ranks") if isinstance(rec.get("origin_ranks"), list) else []
+    if origins and _went_off(rec):
+        return (f"  spread: from the output of {text_of(rec['first'].get('name'))} on rank(s) {origins} through the "
+                f"rest of that forward pass, finite; found after it on {spread}")
     if origins and _fed(rec):
         return (f"  spread: none: the {text_of(rec['vocab'].get('ids_outside'))} id(s) were replaced by 0 before the "
                 f"lookup on rank(s) {origins}")
@@ -212,7 +224,8 @@ def _done(rec: dict) -> str:
     if isinstance(rec.get("blacklisted"), list) and rec["blacklisted"]:
         done.append(f"{len(rec['blacklisted'])} sample(s) blacklisted")
     if isinstance(rec.get("origin_ranks"), list) and rec["origin_ranks"]:
-        where = "fed by" if _fed(rec) else "entered before the data-parallel reduction on"
+        where = ("fed by" if _fed(rec) else "went off first in the forward pass on" if _went_off(rec)
+                 else "entered before the data-parallel reduction on")
         done.append(f"{where} rank(s) {rec['origin_ranks']}")
     if rec.get("reason"):
         done.append(f"graded {text_of(rec.get('severity'))}: {rec['reason']}")

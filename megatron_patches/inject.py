@@ -186,7 +186,7 @@ class Injector:
         return any(s.kind not in ("poison", "kill") and s.phase not in MODULE_PHASES for s in self.specs)
 
     def forward_specs(self) -> list[tuple[int, InjectionSpec]]:
-        """The drills acting on a module (phases forward and backward), with their indices."""
+        """The drills acting on a module (phases forward, backward and input), with their indices."""
         return [(i, s) for i, s in enumerate(self.specs) if s.phase in MODULE_PHASES]
 
     def forward_due(self, index: int, step: int, rank: int, module: str) -> bool:

@@ -151,7 +151,8 @@ def build(config: Config, seams: Seams) -> RunState:
     drills = inject.build(config.inject, clock=lambda: (clock.upcoming(), collectives.rank()))
     model_chunks = seams.model_chunks()
     peers = collectives.BoundedGroup(config.response.peer_timeout_s)
-    detectors = detector_plugins.build(config, seams.parallel_state, clock.upcoming)
+    detectors = detector_plugins.build(config, seams.parallel_state, clock.upcoming,
+                                       lambda step: step % config.check_interval == 0)
     report_dir = os.path.abspath(config.report_dir)
     return RunState(
         config=config, seams=seams, report_dir=report_dir,

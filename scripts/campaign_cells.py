@@ -84,9 +84,9 @@ LAYOUTS = {  # label -> (ranks, harness flags, rank a local/forward drill binds 
 QUICK_LAYOUTS = ("1rank", "dp2", "dp2+full")
 """The quick mode's layouts; there a ``+full`` layout carries the lasting targets only (its other
 cells are the same trainings as without the opt-in detectors, bar their reads)."""
-FULL_DETECTORS = "detectors: {audit: {enabled: true}, peak: {enabled: true}}\n"
-"""What a ``+full`` layout adds to the guard's defaults: the two detectors that are off by default
-for what they read (the state audit, gradient peaks)."""
+FULL_DETECTORS = "detectors: {audit: {enabled: true}, peak: {enabled: true}, activations: {enabled: true}}\n"
+"""What a ``+full`` layout adds to the guard's defaults: the three detectors that are off by default
+for what they read (the state audit, gradient peaks, activations)."""
 
 
 INPUT_RANK = {"pp2": 0, "pp2+full": 0}

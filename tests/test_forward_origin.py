@@ -88,7 +88,7 @@ def test_a_gradient_fault_is_not_called_a_forward_fault(tmp_path):
     ("nan:step=3,phase=forward", "phase=forward takes module=NAME"),
     ("nan:step=3,phase=forward,module=a,param=b", "phase=forward takes module=NAME"),
     ("saturate:step=3,phase=forward,module=a", "phase=forward takes module=NAME"),
-    ("nan:step=3,module=decoder.layers.0", "module applies to phases forward and backward only"),
+    ("nan:step=3,module=decoder.layers.0", "module applies to phases forward, backward, input only"),
 ])
 def test_forward_drill_specs_are_checked(text, problem):
     with pytest.raises(ConfigError, match=problem):

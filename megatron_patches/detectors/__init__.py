@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from .activations import ActivationRange
 from .audit import StateAudit
 from .base import CheckContext, Detector, Rotation
 from .consistency import ConsistencyDetector
@@ -27,10 +28,12 @@ from .tokens import TokenRange
 __all__ = ["CheckContext", "Detector", "Rotation", "build"]
 
 
-def build(config: Any, parallel_state: Callable[[], Any], step_of: Callable[[], int] = lambda: 0) -> list:
+def build(config: Any, parallel_state: Callable[[], Any], step_of: Callable[[], int] = lambda: 0,
+          checked: Callable[[int], bool] = lambda step: True) -> list:
     """The detectors ``config`` switches on, in a fixed order (the vector layout depends on it).
     ``parallel_state``: where they read the job's layout (``Seams.parallel_state``); ``step_of``:
-    the step being made now (for those that watch the forward pass)."""
+    the step being made now and ``checked`` whether a step is checked (for those that watch the
+    forward pass)."""
     settings = config.detectors
     detectors: list = []
     if settings.history.enabled:
@@ -43,6 +46,8 @@ def build(config: Any, parallel_state: Callable[[], Any], step_of: Callable[[], 
         detectors.append(StateAudit(settings.audit))
     if settings.peak.enabled:
         detectors.append(PeakDetector(settings.peak))
+    if settings.activations.enabled:
+        detectors.append(ActivationRange(settings.activations, step_of, checked))
     if settings.tokens.enabled:
         detectors.append(TokenRange(settings.tokens, step_of))
     return detectors
