@@ -62,6 +62,24 @@ def test_clean_training_raises_nothing(tmp_path, ranks, flags):
     assert run.incidents == [], [(r["step"], r["kind"], r["message"]) for r in run.incidents]
 
 
+SWEEP = {"1rank": (1, ()), "tp2": (2, ("--tp", "2")), "pp2": (2, ("--pp", "2")),
+         "dp2-distopt": (2, ("--distributed-optimizer",))}
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_clean_text_sweep_raises_nothing(tmp_path):
+    """2,400 clean steps on real text, seed 3: every layout of SWEEP in bf16 and fp16, 300 steps each."""
+    found = {}
+    for layout, (ranks, flags) in SWEEP.items():
+        for precision in ("bf16", "fp16"):
+            run = run_tiny(tmp_path / f"{layout}-{precision}", *TEXT, *flags, "--precision", precision, "--steps", "300",
+                           "--seed", "3", "--config", _config(tmp_path, True), nproc=ranks, timeout=1800)
+            assert run.returncode == 0 and run.result["steps_completed"] == 300, run.output[-3000:]
+            found[(layout, precision)] = [(r["step"], r["kind"], r["message"]) for r in run.incidents]
+    assert not any(found.values()), found
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("modules", [], "must be a non-empty list of non-empty names or fnmatch patterns"),
     ("modules", ["decoder.*", ""], "must be a non-empty list"),
