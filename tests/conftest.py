@@ -265,6 +265,36 @@ def _import_what_the_harness_imports() -> None:
         importlib.import_module(name)
 
 
+TEXT_DATA = ["--data", f"text:{os.path.dirname(os.__file__)}", "--data-max-mib", "4"]
+"""The harness's real-text data: byte tokens of the standard library's sources, 4 MiB."""
+CLEAN_RUNS = [
+    pytest.param(1, ("--precision", "bf16"), id="bf16"),
+    pytest.param(1, ("--precision", "fp16"), id="fp16"),
+    pytest.param(2, ("--precision", "bf16", "--distributed-optimizer", *TEXT_DATA), id="text-dp2-bf16",
+                 marks=pytest.mark.multiproc),
+]
+"""(ranks, flags) of the short clean trainings an opt-in detector must pass without an incident."""
+SWEEP = {"1rank": (1, ()), "tp2": (2, ("--tp", "2")), "pp2": (2, ("--pp", "2")),
+         "dp2-distopt": (2, ("--distributed-optimizer",))}
+"""The layouts of the slow clean sweep on real text (:func:`clean_text_sweep`)."""
+
+
+def clean_incidents(out: Path, config: str, ranks: int, flags: tuple, steps: int = 150, seed: int = 2) -> list:
+    """Train clean with the guard's ``config``; (step, kind, message) of every incident (the run must end well)."""
+    run = run_tiny(out, "--steps", str(steps), "--seed", str(seed), "--config", config, *flags, nproc=ranks,
+                   timeout=1800)
+    assert run.returncode == 0 and run.result["steps_completed"] == steps, run.output[-3000:]
+    return [(r["step"], r["kind"], r["message"]) for r in run.incidents]
+
+
+def clean_text_sweep(where: Path, config: str) -> dict:
+    """2,400 clean steps on real text, seed 3: every layout of :data:`SWEEP` in bf16 and fp16, 300
+    steps each; the incidents of each (layout, precision)."""
+    return {(layout, precision): clean_incidents(where / f"{layout}-{precision}", config, ranks,
+                                                 (*TEXT_DATA, *flags, "--precision", precision), steps=300, seed=3)
+            for layout, (ranks, flags) in SWEEP.items() for precision in ("bf16", "fp16")}
+
+
 def assert_trained(run: Run, min_drop: float = 0.5) -> dict:
     """The run finished, every parameter on every rank is finite, and loss fell."""
     assert run.returncode == 0, run.output[-3000:]

@@ -3,12 +3,10 @@ tensor's norm about 8x, under every norm check, and its crest factor (largest ma
 about 20x; the detector names the tensor, and under DP2 the pass before the reduction names the
 replica it came from. Clean trainings (bf16, fp16, real text) raise nothing."""
 
-import os
-
 import pytest
 import torch
 
-from conftest import run_tiny
+from conftest import CLEAN_RUNS, clean_incidents, clean_text_sweep, run_tiny
 from megatron_patches.config import Config
 from megatron_patches.errors import ConfigError
 from megatron_patches.detectors.peak import crest_factors
@@ -17,7 +15,6 @@ pytestmark = pytest.mark.one_line  # harness runs: the 0.16 leg (conftest)
 
 FC1 = "decoder.layers.1.mlp.linear_fc1.weight"
 ONE_ELEMENT = f"scale:step=30,param={FC1},scope=element,seed=1234,factor=1000"
-TEXT = ["--data", f"text:{os.path.dirname(os.__file__)}", "--data-max-mib", "4"]
 
 
 def _config(where, peak: bool):
@@ -58,35 +55,18 @@ def test_one_reduced_gradient_element_x1000_is_named_on_one_rank(tmp_path):
     assert record["peak"] == {"tensors": 1, "zscore": 8.0, "min_ratio": 8.0}
 
 
-@pytest.mark.parametrize("ranks, flags", [
-    pytest.param(1, ("--precision", "bf16"), id="bf16"),
-    pytest.param(1, ("--precision", "fp16"), id="fp16"),
-    pytest.param(2, ("--precision", "bf16", "--distributed-optimizer", *TEXT), id="text-dp2-bf16",
-                 marks=pytest.mark.multiproc),
-])
+@pytest.mark.parametrize("ranks, flags", CLEAN_RUNS)
 def test_clean_training_raises_nothing(tmp_path, ranks, flags):
     """Seed 2 (the thresholds were looked at on seed 1234's trace): 150 steps, 130 of them judged."""
-    run = run_tiny(tmp_path / "out", "--steps", "150", "--seed", "2", "--config", _config(tmp_path, True),
-                   *flags, nproc=ranks)
-    assert run.returncode == 0, run.output[-3000:]
-    assert run.incidents == [], [(r["step"], r["kind"], r["message"]) for r in run.incidents]
-
-
-SWEEP = {"1rank": (1, ()), "tp2": (2, ("--tp", "2")), "pp2": (2, ("--pp", "2")),
-         "dp2-distopt": (2, ("--distributed-optimizer",))}
+    found = clean_incidents(tmp_path / "out", _config(tmp_path, True), ranks, flags)
+    assert found == [], found
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_clean_text_sweep_raises_nothing(tmp_path):
-    """2,400 clean steps on real text, seed 3: every layout of SWEEP in bf16 and fp16, 300 steps each."""
-    found = {}
-    for layout, (ranks, flags) in SWEEP.items():
-        for precision in ("bf16", "fp16"):
-            run = run_tiny(tmp_path / f"{layout}-{precision}", *TEXT, *flags, "--precision", precision, "--steps", "300",
-                           "--seed", "3", "--config", _config(tmp_path, True), nproc=ranks, timeout=1800)
-            assert run.returncode == 0 and run.result["steps_completed"] == 300, run.output[-3000:]
-            found[(layout, precision)] = [(r["step"], r["kind"], r["message"]) for r in run.incidents]
+    """2,400 clean steps on real text (conftest.clean_text_sweep)."""
+    found = clean_text_sweep(tmp_path, _config(tmp_path, True))
     assert not any(found.values()), found
 
 
