@@ -1,11 +1,11 @@
 """Activations (``detectors.activations``, off by default; the campaign's hole 4): a module's output
 multiplied by 1,000, or one element with its exponent's high bit flipped, stays finite and the next
 layer norm hides it from every gradient check; its RMS or crest factor against its own history names
-the module, and the rank it happened on. Clean trainings (bf16, fp16, real text) raise nothing."""
+the module, and the rank it happened on. Its clean trainings: tests/test_opt_in_clean.py."""
 
 import pytest
 
-from conftest import CLEAN_RUNS, clean_incidents, clean_text_sweep, run_tiny
+from conftest import run_tiny
 from megatron_patches.config import Config
 from megatron_patches.errors import ConfigError
 
@@ -44,20 +44,6 @@ def test_one_output_element_with_its_exponent_flipped_is_found_by_the_crest_fact
     (record,) = run.incidents
     assert (record["step"], record["kind"], record["first"]["name"]) == (30, "activation", MLP)
     assert "activation:crest" in record["first"]["reasons"]
-
-
-@pytest.mark.parametrize("ranks, flags", CLEAN_RUNS)
-def test_clean_training_raises_nothing(tmp_path, ranks, flags):
-    found = clean_incidents(tmp_path / "out", _config(tmp_path, True), ranks, flags)
-    assert found == [], found
-
-
-@pytest.mark.slow
-@pytest.mark.multiproc
-def test_clean_text_sweep_raises_nothing(tmp_path):
-    """2,400 clean steps on real text (conftest.clean_text_sweep)."""
-    found = clean_text_sweep(tmp_path, _config(tmp_path, True))
-    assert not any(found.values()), found
 
 
 @pytest.mark.parametrize("key, value, message", [

@@ -1,12 +1,12 @@
 """Gradient peaks (``detectors.peak``, off by default): one gradient element x1,000 lifts its
 tensor's norm about 8x, under every norm check, and its crest factor (largest magnitude over RMS)
 about 20x; the detector names the tensor, and under DP2 the pass before the reduction names the
-replica it came from. Clean trainings (bf16, fp16, real text) raise nothing."""
+replica it came from. Its clean trainings: tests/test_opt_in_clean.py."""
 
 import pytest
 import torch
 
-from conftest import CLEAN_RUNS, clean_incidents, clean_text_sweep, run_tiny
+from conftest import run_tiny
 from megatron_patches.config import Config
 from megatron_patches.errors import ConfigError
 from megatron_patches.detectors.peak import crest_factors
@@ -53,21 +53,6 @@ def test_one_reduced_gradient_element_x1000_is_named_on_one_rank(tmp_path):
     assert (record["step"], record["kind"], record["first"]["name"]) == (30, "peak", FC1)
     assert record["first"]["reasons"] == ["peak"]
     assert record["peak"] == {"tensors": 1, "zscore": 8.0, "min_ratio": 8.0}
-
-
-@pytest.mark.parametrize("ranks, flags", CLEAN_RUNS)
-def test_clean_training_raises_nothing(tmp_path, ranks, flags):
-    """Seed 2 (the thresholds were looked at on seed 1234's trace): 150 steps, 130 of them judged."""
-    found = clean_incidents(tmp_path / "out", _config(tmp_path, True), ranks, flags)
-    assert found == [], found
-
-
-@pytest.mark.slow
-@pytest.mark.multiproc
-def test_clean_text_sweep_raises_nothing(tmp_path):
-    """2,400 clean steps on real text (conftest.clean_text_sweep)."""
-    found = clean_text_sweep(tmp_path, _config(tmp_path, True))
-    assert not any(found.values()), found
 
 
 def test_crest_factor_is_the_largest_magnitude_over_the_rms_and_zero_where_undefined():
