@@ -279,6 +279,15 @@ SWEEP = {"1rank": (1, ()), "tp2": (2, ("--tp", "2")), "pp2": (2, ("--pp", "2")),
 """The layouts of the slow clean sweep on real text (:func:`clean_text_sweep`)."""
 
 
+def detectors_config(where: Path, **enabled: bool) -> str:
+    """A guard config file under ``where`` switching the named detectors on or off (scenes off, for
+    speed); its path, for ``--config``."""
+    config = where / "guard.yaml"
+    switches = ", ".join(f"{name}: {{enabled: {str(on).lower()}}}" for name, on in enabled.items())
+    config.write_text(f"detectors: {{{switches}}}\nscene: {{enabled: false}}\n")
+    return str(config)
+
+
 def clean_incidents(out: Path, config: str, ranks: int, flags: tuple, steps: int = 150, seed: int = 2) -> list:
     """Train clean with the guard's ``config``; (step, kind, message) of every incident (the run must end well)."""
     run = run_tiny(out, "--steps", str(steps), "--seed", str(seed), "--config", config, *flags, nproc=ranks,

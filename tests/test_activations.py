@@ -5,7 +5,7 @@ the module, and the rank it happened on. Its clean trainings: tests/test_opt_in_
 
 import pytest
 
-from conftest import run_tiny
+from conftest import detectors_config, run_tiny
 from megatron_patches.config import Config
 from megatron_patches.errors import ConfigError
 
@@ -15,9 +15,7 @@ MLP = "decoder.layers.1.mlp"
 
 
 def _config(where, enabled: bool) -> str:
-    config = where / "guard.yaml"
-    config.write_text(f"detectors: {{activations: {{enabled: {str(enabled).lower()}}}}}\nscene: {{enabled: false}}\n")
-    return str(config)
+    return detectors_config(where, activations=enabled)
 
 
 @pytest.mark.multiproc

@@ -4,15 +4,13 @@ the training), so one run answers for two detectors."""
 
 import pytest
 
-from conftest import CLEAN_RUNS, clean_incidents, clean_text_sweep
+from conftest import CLEAN_RUNS, clean_incidents, clean_text_sweep, detectors_config
 
 pytestmark = pytest.mark.one_line  # harness runs: the 0.16 leg (conftest)
 
 
 def _config(where) -> str:
-    config = where / "guard.yaml"
-    config.write_text("detectors: {peak: {enabled: true}, activations: {enabled: true}}\nscene: {enabled: false}\n")
-    return str(config)
+    return detectors_config(where, peak=True, activations=True)
 
 
 @pytest.mark.parametrize("ranks, flags", CLEAN_RUNS)

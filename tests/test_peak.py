@@ -6,7 +6,7 @@ replica it came from. Its clean trainings: tests/test_opt_in_clean.py."""
 import pytest
 import torch
 
-from conftest import run_tiny
+from conftest import detectors_config, run_tiny
 from megatron_patches.config import Config
 from megatron_patches.errors import ConfigError
 from megatron_patches.detectors.peak import crest_factors
@@ -17,10 +17,8 @@ FC1 = "decoder.layers.1.mlp.linear_fc1.weight"
 ONE_ELEMENT = f"scale:step=30,param={FC1},scope=element,seed=1234,factor=1000"
 
 
-def _config(where, peak: bool):
-    config = where / "guard.yaml"
-    config.write_text(f"detectors: {{peak: {{enabled: {str(peak).lower()}}}}}\nscene: {{enabled: false}}\n")
-    return str(config)
+def _config(where, peak: bool) -> str:
+    return detectors_config(where, peak=peak)
 
 
 @pytest.mark.multiproc

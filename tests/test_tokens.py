@@ -5,7 +5,7 @@ rank that fed them, and the step is not applied."""
 
 import pytest
 
-from conftest import run_tiny
+from conftest import detectors_config, run_tiny
 
 pytestmark = pytest.mark.one_line  # harness runs: the 0.16 leg (conftest)
 
@@ -13,9 +13,7 @@ EMBEDDING = "embedding.word_embeddings"
 
 
 def _config(where, enabled: bool) -> str:
-    config = where / "guard.yaml"
-    config.write_text(f"detectors: {{tokens: {{enabled: {str(enabled).lower()}}}}}\nscene: {{enabled: false}}\n")
-    return str(config)
+    return detectors_config(where, tokens=enabled)
 
 
 def test_one_id_outside_the_vocabulary_is_an_incident_where_it_would_have_killed_the_run(tmp_path):
