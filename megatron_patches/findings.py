@@ -135,6 +135,9 @@ class RankReport:
     jumped: tuple[ParamFinding, ...] = ()
     """Its own finite gradients whose norm stood far above their running mean before the reduction
     (``PreReduction.jumped``): where a finite fault entered, if this replica alone shows one."""
+    jumped_bucket: bool = False
+    """Where no pass named its gradients (Megatron's bucket check stood in for it): whether one of
+    its bucket norms stood far above its running mean before the reduction."""
     batch: tuple[int, ...] = ()
     """The dataset indices it fed in the step."""
     injected: tuple[dict, ...] = ()
@@ -184,7 +187,7 @@ def origins_of(everyone: list[RankReport]) -> tuple[list[int], int]:
 
 def _jumped_alone(everyone: list[RankReport], replica: dict[int, int]) -> list[int]:
     """The ranks of the one replica whose own gradients jumped, if exactly one replica shows a jump."""
-    jumped = sorted(report.rank for report in everyone if report.jumped)
+    jumped = sorted(report.rank for report in everyone if report.jumped or report.jumped_bucket)
     return jumped if len({replica.get(r, r) for r in jumped}) == 1 else []
 
 

@@ -67,6 +67,9 @@ class PreReduction(Protocol):
     def jumped(self, model_chunks: ModelChunks) -> list["ParamFinding"]:
         """This rank's own finite gradients that jumped far above their running mean, named."""
 
+    def bucket_jumped(self) -> bool:
+        """Whether one of Megatron's bucket norms of this rank jumped far above its running mean."""
+
 
 class OriginWatch(Protocol):
     """One run's pre-reduction origin pass (:class:`megatron_patches.seams.origin.OriginWatch`)."""
@@ -88,6 +91,9 @@ class OriginWatch(Protocol):
 
     def note(self, findings: list) -> None:
         """This rank's own gradients were non-finite before the reduction (Megatron's bucket check)."""
+
+    def note_bucket_norms(self, group: object, norms: list, step: int) -> None:
+        """Megatron's finite bucket norms of a group on a checked step (no pass of the guard's own)."""
 
 
 class RerunWatch(Protocol):

@@ -73,9 +73,10 @@ def rank_report(state: RunState, verdict: Verdict, before: PreReduction,
         os.kill(os.getpid(), signal.SIGKILL)
     finite = ctx.total_norm is not None and math.isfinite(ctx.total_norm)  # the same on every rank
     jumped = before.jumped(state.model_chunks) if finite and not own_origin else []
+    jumped_bucket = finite and not own_origin and not jumped and before.bucket_jumped()
     report = RankReport(
         ranks=ranks, findings=tuple(findings), pre_reduction=tuple(pre_reduction), origin=own_origin, held=tuple(held),
-        jumped=tuple(jumped),
+        jumped=tuple(jumped), jumped_bucket=jumped_bucket,
         batch=state.batch.samples, injected=tuple(state.drills.fired_at(ctx.step)),
         megatron=state.rerun.part(ctx.step),  # Megatron's loss check and rerun verdict
         moe_routing=state.routing.share(ctx.step))

@@ -561,6 +561,56 @@ def test_overlapped_reduction_local_nan_is_named_at_its_bucket_with_one_origin(l
     assert all(p["shard"] for p in incident["params"])
 
 
+@pytest.mark.multiproc
+def test_a_finite_local_gradient_whose_norm_overflows_is_an_origin(loop_kind, request, tmp_path, monkeypatch):
+    """Rank 1's fc1 gradient with the high exponent bit set in every element: finite values of 2^64
+    and more, whose squares overflow Megatron's float32 bucket norm (Inf). Megatron reruns the step
+    in place and gets clean gradients; without the guard naming the overflow there, the check
+    before clipping saw nothing and the fault left no record (the negative control)."""
+    drill = f"bitflip:step=4,rank=1,phase=local,param={FC1},bit=exponent_high,scope=all"
+    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
+    (tmp_path / "named").mkdir()
+    (tmp_path / "unnamed").mkdir()
+    output = loop.run(guard_env(tmp_path / "named", inject=[drill])).stdout
+    assert "overflowing (finite, squares past float32) local gradient on rank 1" in output, output[-4000:]
+    [incident] = incidents(tmp_path / "named")
+    assert (incident["step"], incident["kind"], incident["action"]) == (4, "overflow", "skip_step")
+    assert incident["origin_ranks"] == [1] and incident["first"]["name"] == FC1
+    [before] = incident["pre_reduction"]
+    assert before["ranks"]["global"] == 1 and before["overflow"] > 0 and before["reasons"] == ["overflow"]
+    from megatron_patches.seams import bucket_norms
+
+    monkeypatch.setattr(bucket_norms, "overflowed_params", lambda chunks, group: [])
+    proc = loop.run(guard_env(tmp_path / "unnamed", inject=[drill]))
+    assert proc.returncode == 0 and "Possible transient error" in proc.stdout
+    assert incidents(tmp_path / "unnamed") == []
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(not _packaged_loop_available(), reason="the installed megatron-core ships no megatron/training")
+def test_a_finite_fault_in_one_replicas_gradient_is_named_there_from_megatrons_bucket_norms(tmp_path, monkeypatch):
+    """Stock flags, DP2: Megatron's bucket check stands in for the guard's own pass before the
+    reduction (no extra read), so no per-parameter norm of rank 1's own gradient is taken. Rank 1's
+    fc1 gradient x1,000 at iteration 24 (after history's 20-step warm-up): its bucket norm against
+    its running mean names rank 1 as the origin; without it (the negative control) the reduced
+    gradient is flagged with no origin, named first on the rank that holds it."""
+    loop = Loop(None)
+    drill = f"scale:step=24,rank=1,phase=local,param={FC1},factor=1000,scope=all"
+    for name in ("named", "unnamed"):
+        (tmp_path / name).mkdir()
+        proc = loop.run(guard_env(tmp_path / name, inject=[drill]), "--train-iters", "25")
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        [incident] = incidents(tmp_path / name)
+        assert incident["step"] == 24 and incident["first"]["name"] == FC1
+        if name == "named":
+            assert incident["origin_ranks"] == [1], incident["message"]
+            from megatron_patches.seams import origin
+
+            monkeypatch.setattr(origin.OriginWatch, "note_bucket_norms", lambda self, group, norms, step: None)
+        else:
+            assert incident["origin_ranks"] == [], incident["message"]
+
+
 GPU_OVERLAP_FLAGS = ("--overlap-grad-reduce", "--use-distributed-optimizer", "--bf16",
                      "--no-check-for-nan-in-loss-and-grad")
 """What GPU users run: reductions overlapped with backward, Megatron's own NaN check off."""

@@ -9,7 +9,8 @@ disabled``), with no parameter named.
 
 While a bucket group's check runs on a step the guard checks, each NaN/Inf validation Megatron
 asks for is looked at first, on Megatron's own norm (no extra read). A non-finite one makes this
-rank name the non-finite parameters of the group and raise its origin flag; the validation goes
+rank name the non-finite parameters of the group (or, where every gradient is finite in a
+float32-range buffer, those whose sum of squares overflowed) and raise its origin flag; the validation goes
 to the rerun machine as a non-fatal one (:mod:`~megatron_patches.seams.rerun_machine`: Megatron reruns
 the step in place, gives its verdict and carries on; with ``--rerun-mode disabled`` it is kept
 from the machine). The guard's check before clipping then skips the step (or rolls back when the
@@ -45,6 +46,8 @@ class _Scope:
     """Megatron's non-finite bucket norms seen in this call."""
     last: Optional[tuple[Any, bool]] = None
     """(norm tensor, finite): the NaN and the Inf validation of a bucket share one host read."""
+    finite: list = field(default_factory=list)
+    """Megatron's finite bucket norms seen in this call (device tensors, read no further)."""
 
 
 _scope: contextvars.ContextVar[Optional[_Scope]] = contextvars.ContextVar("megatron_patches_bucket_check", default=None)
@@ -75,11 +78,15 @@ def check_grads(monitor: Guard, group: Any, call: Callable[[], Any]) -> Any:
     finally:
         _scope.reset(token)
     monitor.note_bucket_check()
+    if not scope.norms and scope.finite and monitor.origin.peak_ratio is None and monitor.origin.watching():
+        # No pass of the guard's own over this group's gradients on such a step: its bucket norms,
+        # against their running means, are what can name this rank as a finite fault's origin.
+        monitor.origin.note_bucket_norms(group, scope.finite, monitor.upcoming_step())
     if scope.norms:
         if rerunning():  # Megatron's rerun of the step in place: noted in the first run already
             log.info("step %d: non-finite local gradient again in Megatron's rerun of the step", monitor.upcoming_step())
             return result
-        findings = nonfinite_params(monitor.model_chunks, group)
+        findings = nonfinite_params(monitor.model_chunks, group) or overflowed_params(monitor.model_chunks, group)
         if not findings:  # an fp16 bucket's norm overflowed; every gradient in it is finite
             log.info("step %d: Megatron's bucket norm is %s but every local gradient in the bucket group is finite "
                      "(the norm overflowed in the buffer's dtype); not an origin", monitor.upcoming_step(),
@@ -87,8 +94,9 @@ def check_grads(monitor: Guard, group: Any, call: Callable[[], Any]) -> Any:
             return result
         monitor.note_pre_reduction(findings)
         ranks = naming.rank_info(parallel_state())
-        names = ", ".join(f"{f.name} ({'nan' if f.nan else 'inf'} {f.nan or f.inf})" for f in findings) or "none found"
-        log.warning("step %d: before the data-parallel reduction: non-finite local gradient on rank %d "
+        names = ", ".join(_counted(f) for f in findings) or "none found"
+        what = "non-finite" if any(f.nan or f.inf for f in findings) else "overflowing (finite, squares past float32)"
+        log.warning("step %d: before the data-parallel reduction: " + what + " local gradient on rank %d "
                     "(tp %d, pp %d, dp %d), bucket norm(s) %s: %s; not fatal to Megatron's RerunStateMachine, "
                     "the guard's check before clipping decides",
                     monitor.upcoming_step(), ranks["global"], ranks["tp"], ranks["pp"], ranks["dp"],
@@ -114,6 +122,8 @@ def takes_over(result: Any, rejection_func: Callable) -> bool:
         scope.last = (result, finite)
         if not finite:
             scope.norms.append(float(result.float().max() if result.numel() > 1 else result))
+        else:
+            scope.finite.append(result)
     return not finite
 
 
@@ -134,6 +144,36 @@ def nonfinite_params(chunks: ModelChunks, group: Any) -> list[ParamFinding]:
             infos.get(id(param)), ranks, shape=list(param.shape), nan=nan, inf=inf, overflow=0, norm=None,
             host=host, device=device, reasons=(["nan"] if nan else []) + (["inf"] if inf else [])))
     return findings
+
+
+OVERFLOW_ABS = 2.0 ** 64
+"""A gradient element this large has a square past float32's range on its own."""
+
+
+def overflowed_params(chunks: ModelChunks, group: Any) -> list[ParamFinding]:
+    """This rank's parameters in ``group`` whose finite local gradient has a sum of squares past
+    float32's range: in an fp32 or bf16 buffer (float32's range) no trained gradient comes near it
+    (an element of 2^64 or more, a bit flipped into the exponent), so the rank is an origin; an
+    fp16 buffer's norm overflows on ordinary values, which the loss scaler handles (none named)."""
+    findings = []
+    params = chunks.group_params(group)
+    infos = names_of(chunks, params)
+    ranks, host, device = naming.rank_info(parallel_state()), naming.host(), naming.device_name()
+    for param in params:
+        grad = model_grad(param)
+        if grad is None or grad.dtype == torch.float16 or torch.isfinite(grad.float().pow(2).sum()):
+            continue
+        findings.append(ParamFinding.located(
+            infos.get(id(param)), ranks, shape=list(param.shape), nan=0, inf=0,
+            overflow=int((grad.abs() >= OVERFLOW_ABS).sum()), norm=None, host=host, device=device,
+            reasons=["overflow"]))
+    return findings
+
+
+def _counted(finding: ParamFinding) -> str:
+    if finding.nan or finding.inf:
+        return f"{finding.name} ({'nan' if finding.nan else 'inf'} {finding.nan or finding.inf})"
+    return f"{finding.name} ({finding.overflow} element(s) of 2^64 or more)"
 
 
 def _inject(monitor: Guard, group: Any) -> None:

@@ -54,6 +54,16 @@ class PreReduction:
     crest factor (``local_peak``, the detector's ``min_ratio``), over its running mean on this rank
     (0 where there is none yet). Read on the slow path only."""
 
+    bucket_jumps: list = field(default_factory=list)
+    """Device ratios of Megatron's own bucket norms over their running means on this rank, where
+    its bucket check stood in for the guard's pass (:meth:`OriginWatch.note_bucket_norms`): they
+    name no parameter, only whether this rank's gradients jumped. Read on the slow path only."""
+
+    def bucket_jumped(self) -> bool:
+        """Whether a bucket norm of this rank stood :data:`LOCAL_JUMP` times or more above its running
+        mean before the reduction (one host read; the slow path only)."""
+        return any(bool((ratios >= LOCAL_JUMP).any()) for ratios in self.bucket_jumps)
+
     def is_origin(self) -> bool:
         """Reading the flag costs nothing on a quiet step: it is read on the slow path only."""
         return self.flag is not None and bool(self.flag.item() > 0)
@@ -99,6 +109,9 @@ class OriginWatch:
         self._groups: dict[int, tuple[list, torch.Tensor]] = {}
         """Per bucket group of the step being made: (params, device norms) of its fused pass."""
         self._groups_step: Optional[int] = None
+        self._buckets: dict[int, torch.Tensor] = {}
+        """Per bucket group of the step being made: Megatron's bucket norms (:meth:`note_bucket_norms`)."""
+        self._buckets_step: Optional[int] = None
 
     def before_reduction(self, chunks: list) -> None:
         """At a checked step's reduction: raise the flag from one fused pass over the gradients.
@@ -127,6 +140,13 @@ class OriginWatch:
         if norms is not None:
             self._groups[id(group)] = (held, norms, crests)
 
+    def note_bucket_norms(self, group: object, norms: list, step: int) -> None:
+        """Megatron's finite bucket norms of ``group`` on a checked ``step`` (its own check ran
+        instead of the guard's pass): kept on the device for a running mean of each, no read."""
+        if self._buckets_step != step:
+            self._buckets, self._buckets_step = {}, step
+        self._buckets[id(group)] = torch.cat([norm.detach().reshape(-1).float() for norm in norms])
+
     def watching(self) -> bool:
         """Whether a pass before the reductions can tell anything: on a single rank there is
         nowhere else a fault could have entered. With one data-parallel replica but tensor or
@@ -153,6 +173,9 @@ class OriginWatch:
             for key, (params, n, crests) in self._groups.items():
                 taken.jumps += self._jumps(key, None, params, n, crests)
         self._groups, self._groups_step = {}, None
+        for key, norms in self._buckets.items():
+            taken.bucket_jumps.append(self._ratios((key, "bucket"), norms))
+        self._buckets, self._buckets_step = {}, None
         return taken
 
     def _jumps(self, key: object, chunks: Optional[list], params: list, norms: torch.Tensor,
