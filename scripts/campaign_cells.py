@@ -6,8 +6,9 @@ Strict scoring, per cell:
 - **detected**: an incident on the fault's step or the ``DETECT`` steps after it (a weight or an
   optimizer state corrupted before the update shows in the next step's gradients);
 - **localized**: the first such incident reports exactly the expected rank set (the consistency
-  detector's suspects, else the origin ranks before the reduction, else the forward origin's
-  ranks, else the rank of the parameter named first) AND names the target: the parameter named
+  detector's suspects, else the origin ranks before the reduction, narrowed to the forward
+  origin's ranks where those are a part of them, else the forward origin's ranks, else the rank
+  of the parameter named first) AND names the target: the parameter named
   first is the corrupted one, or the forward origin is the module holding it (weight and state
   targets) or the drilled module (forward target), or, for a forward target, the parameter named
   first is in the drilled module's layer;
@@ -57,17 +58,20 @@ INPUT_KINDS = {  # the input target's menu: token ids are integers (no NaN, Inf,
     "noise:1%": ("noise", "factor=0.01"),
 }
 SCOPES = ("element", "row", "1pct", "10pct", "all")
-TARGETS = {  # label -> drill keys; {rank} is filled per layout
-    "local": f"phase=local,param={PARAM}",
-    "grad": f"phase=grad,param={PARAM}",
-    "param": f"phase=param,param={PARAM}",
-    "exp_avg": f"phase=state,slot=exp_avg,param={PARAM}",
-    "exp_avg_sq": f"phase=state,slot=exp_avg_sq,param={PARAM}",
+TARGETS = {  # label -> drill keys; {param} is filled per layout (:func:`param_of`)
+    "local": "phase=local,param={param}",
+    "grad": "phase=grad,param={param}",
+    "param": "phase=param,param={param}",
+    "exp_avg": "phase=state,slot=exp_avg,param={param}",
+    "exp_avg_sq": "phase=state,slot=exp_avg_sq,param={param}",
     "forward": f"phase=forward,module={MODULE}",
     "input": f"phase=input,module={EMBEDDING}",
 }
 LASTING = ("param", "exp_avg", "exp_avg_sq")
 """Targets whose fault stays (in the weights, the optimizer state) until a rollback removes it."""
+_EP2 = ("--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2", "--disable-bias-linear",
+        "--bf16", "--use-distributed-optimizer")
+_CP2 = ("--context-parallel-size", "2", "--bf16", "--use-distributed-optimizer")
 LAYOUTS = {  # label -> (ranks, harness flags, rank a local/forward drill binds to, rank a grad/weight/state drill binds to)
     "1rank": (1, ("--precision", "bf16"), 0, 0),
     "dp2": (2, ("--precision", "bf16", "--distributed-optimizer"), 1, 0),
@@ -80,11 +84,26 @@ LAYOUTS = {  # label -> (ranks, harness flags, rank a local/forward drill binds 
     "pp2": (2, ("--precision", "bf16", "--pp", "2"), 1, 1),
     "tp2+full": (2, ("--precision", "bf16", "--tp", "2"), 1, 1),
     "pp2+full": (2, ("--precision", "bf16", "--pp", "2"), 1, 1),
+    # Megatron-LM's packaged loop (megatron-core 0.17+, Python 3.12; :data:`LOOP`), its flags.
+    # Two expert ranks: 4 experts, rank 1 holds experts 2 and 3 and their whole optimizer state
+    # (expert data parallelism 1), so every fault of an expert weight is bound to rank 1; the dense
+    # weights and the tokens are data parallel over both ranks.
+    "ep2": (2, _EP2, 1, 1),
+    "ep2+full": (2, _EP2, 1, 1),
+    # Two context-parallel ranks, each with half of every sequence; the distributed optimizer's
+    # shard of rank 0 holds fc1 (the drill's refusal names it), so grad, weight and state faults bind there.
+    "cp2": (2, _CP2, 1, 0),
+    "cp2+full": (2, _CP2, 1, 0),
 }
+LOOP = ("ep2", "ep2+full", "cp2", "cp2+full")
+"""Layouts run through Megatron-LM's own loop (``megatron.training``, shipped by megatron-core 0.17+)
+rather than the tiny-GPT harness, which has no experts and no context parallelism."""
+EXPERT_PARAM = "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"
+"""EP2's target parameter: on rank 1, local expert 0 is expert 2 of layer 1's MoE."""
 QUICK_LAYOUTS = ("1rank", "dp2", "dp2+full")
 """The quick mode's layouts; there a ``+full`` layout carries the lasting targets only (its other
 cells are the same trainings as without the opt-in detectors, bar their reads)."""
-FULL_DETECTORS = "detectors: {audit: {enabled: true}, peak: {enabled: true}, activations: {enabled: true}}\n"
+FULL_DETECTORS = {"audit": {"enabled": True}, "peak": {"enabled": True}, "activations": {"enabled": True}}
 """What a ``+full`` layout adds to the guard's defaults: the three detectors that are off by default
 for what they read (the state audit, gradient peaks, activations)."""
 
@@ -97,6 +116,11 @@ the first stage."""
 def kinds_of(target: str) -> dict:
     """The menu of kinds for ``target``: :data:`INPUT_KINDS` for the token ids, else :data:`KINDS`."""
     return INPUT_KINDS if target == "input" else KINDS
+
+
+def param_of(layout: str) -> str:
+    """The parameter a layout's gradient, weight and state faults go into."""
+    return EXPERT_PARAM if layout.startswith("ep2") else PARAM
 
 
 def full(layout: str) -> bool:
@@ -209,8 +233,8 @@ class Cell:
 
     def spec(self, step: int) -> str:
         kind, extra = kinds_of(self.target)[self.kind]
-        keys = [f"step={step}", TARGETS[self.target], f"rank={self.rank()}", f"scope={self.scope}",
-                f"seed={SEED}", extra]
+        keys = [f"step={step}", TARGETS[self.target].format(param=param_of(self.layout)), f"rank={self.rank()}",
+                f"scope={self.scope}", f"seed={SEED}", extra]
         return f"{kind}:" + ",".join(k for k in keys if k)
 
     def reason(self) -> Optional[str]:
@@ -245,6 +269,11 @@ def fault_step(index: int) -> int:
 def reported_ranks(record: dict) -> list[int]:
     if record.get("suspected_ranks"):
         return sorted(record["suspected_ranks"])
+    forward = set((record.get("forward_origin") or {}).get("ranks") or ())
+    if forward and forward < set(record.get("origin_ranks") or ()):
+        # An expert-parallel all-to-all carries a forward fault to every member of the group within
+        # the step: the gradients name the whole group, the rerun's forward origin the rank it entered.
+        return sorted(forward)
     if record.get("origin_ranks"):
         return sorted(record["origin_ranks"])
     if record.get("forward_origin"):
@@ -260,7 +289,8 @@ def names_target(cell: Cell, record: dict) -> bool:
         return origin == MODULE or (record.get("first") or {}).get("layer") == LAYER and origin is None
     if cell.target == "input":
         return first == f"{EMBEDDING}.weight"
-    return first == PARAM or origin == PARAM.rsplit(".", 1)[0]
+    param = param_of(cell.layout)
+    return first == param or origin == param.rsplit(".", 1)[0]
 
 
 def episode(window: list[dict], incidents: list[dict]) -> set[int]:

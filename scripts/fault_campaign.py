@@ -35,30 +35,55 @@ sys.path[:0] = [str(REPO / "scripts"), str(REPO / "tests"), str(REPO)]
 
 import campaign_cells as cc  # noqa: E402
 
-CONFIG = """\
-response: {recur_count: 1000}
-recovery: {max_rollbacks: 1000, lr_factor: 1.0, blacklist: deterministic}
-scene: {enabled: false}
-"""
+CONFIG = {"response": {"recur_count": 1000},
+          "recovery": {"max_rollbacks": 1000, "lr_factor": 1.0, "blacklist": "deterministic"},
+          "scene": {"enabled": False}}
 BEGIN, END = "<!-- campaign:begin (scripts/fault_campaign.py --write-docs) -->", "<!-- campaign:end -->"
 _STEP = re.compile(r"^step\s+(\d+)/\d+ \| loss (\S+)")
+_LOOP_STEP = re.compile(r"(?:\] iteration|\[megatron_patches\] redone iteration)\s+(\d+)/\s*\d+ \|.*?lm loss: ([^ |]+)")
 _FED = re.compile(r"drill '([^']+)' fired into the token ids .*; (\d+) outside the vocabulary")
 
 
-def default_runner(out: Path, args: list, nproc: int) -> tuple[int, str]:
-    from conftest import run_tiny
+def default_runner(out: Path, layout: str, steps: int, config: dict, drills: list, lasting: bool) -> tuple[int, str]:
+    """Train ``layout`` for ``steps`` steps under the guard's ``config`` with ``drills`` (``lasting``:
+    faults that stay in the weights or the optimizer state until a rollback): the tiny-GPT harness,
+    or Megatron-LM's packaged loop for the layouts of :data:`campaign_cells.LOOP`."""
+    from conftest import run_packaged_loop, run_tiny
 
-    run = run_tiny(out, *args, nproc=nproc, timeout=900)
-    return run.returncode, run.output
+    nproc, flags, _, _ = cc.LAYOUTS[layout]
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "guard.yaml"
+    if layout not in cc.LOOP:
+        # Checkpoints (the rollback targets, one before each fault) only where a fault stays in the
+        # weights or the optimizer state; a gradient or output fault is over once its step is skipped.
+        # Each is saved two steps before a fault, so the clean check between certifies it.
+        saves = cc.SAVE_INTERVAL if lasting else 0
+        path.write_text(json.dumps(config))  # JSON is YAML
+        args = ["--steps", str(steps), "--save-interval", str(saves), "--save-from", str(cc.WARMUP - 1),
+                "--seed", str(cc.SEED), "--config", str(path), *flags, *(a for d in drills for a in ("--inject", d))]
+        run = run_tiny(out, *args, nproc=nproc, timeout=900)
+        return run.returncode, run.output
+    # The loop's rollback is its default one: in process, to the newest in-memory snapshot (every
+    # recovery.snapshot_interval iterations) that a clean check after it certified.
+    path.write_text(json.dumps({**config, "report_dir": str(out), "inject": drills}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MEGATRON_PATCHES_CONFIG": str(path),
+           "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    from megatron_patches.testing.pretrain_cpu import TINY_GPT_ARGS
+
+    return run_packaged_loop(env, [*TINY_GPT_ARGS, "--train-iters", str(steps), "--seed", str(cc.SEED),
+                                   "--save", str(out / "ckpt"), "--load", str(out / "ckpt"), "--save-interval",
+                                   "100000", *flags], nproc=nproc, timeout=900)
 
 
 def losses_of(output: str) -> dict:
-    """Step -> the loss its last execution printed (None when not finite), from rank 0's lines."""
+    """Step -> the loss its last execution printed (None when not finite): the harness's lines of
+    rank 0, or the loop's iteration lines (a redone iteration's line after the first)."""
     found = {}
     for line in output.splitlines():
-        match = _STEP.match(line)
+        match = _STEP.match(line) or _LOOP_STEP.search(line)
         if match:
-            value = float(match.group(2)) if match.group(2) not in ("nan", "inf", "-inf", "-") else None
+            text = match.group(2).lower()
+            value = float(text) if text not in ("nan", "inf", "-inf", "-") else None
             found[int(match.group(1))] = value
     return found
 
@@ -72,28 +97,45 @@ def outside_of(output: str) -> dict:
     return found
 
 
+def train(out: Path, layout: str, steps: int, drills: list, lasting: bool, runner) -> tuple:
+    """One training of ``layout`` with ``drills``: its exit code, losses by step, ids left outside
+    the vocabulary by drill, and incident records. The ranks' output is kept in OUT/output.log."""
+    config = {**CONFIG, **({"detectors": cc.FULL_DETECTORS} if cc.full(layout) else {})}
+    code, output = runner(out, layout, steps, config, drills, lasting)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "output.log").write_text(output)
+    incidents = [json.loads(line) for line in (out / "incidents.jsonl").read_text().splitlines()
+                 if line.strip()] if (out / "incidents.jsonl").exists() else []
+    return code, losses_of(output), outside_of(output), incidents
+
+
+def alone(cell, step: int, grouped: dict, workdir: Path, runner) -> dict:
+    """``cell`` scored again in a training that carries its fault alone, at the same step.
+
+    A training carries many cells, and every fault before this one that the guard did not skip or
+    roll back (one argued undetectable, one it missed) is still in the weights: the control steps
+    are then not those of a clean run with this one fault. Where the grouped training had incidents
+    on this cell's controls, this run says whether this fault's controls have them; the row is
+    its score, with the grouped one kept under ``grouped``."""
+    name = re.sub(r"[^A-Za-z0-9]+", "-", cell.key)
+    code, losses, outside, incidents = train(workdir / f"{name}-alone", cell.layout, step + cc.GAP - 1,
+                                             [cell.spec(step)], cell.target in cc.LASTING, runner)
+    row = cc.score(cell, step, incidents, losses, code == 0, outside.get(cell.spec(step)))
+    row["run"] = f"{name}-alone"
+    row["grouped"] = {key: grouped[key] for key in ("run", "detected", "localized", "false_positives", "recovered")}
+    return row
+
+
 def run_group(group: list, workdir: Path, runner, progress) -> list[dict]:
     """Run ``group`` (cells of one layout) in as few trainings as it takes; one row per cell."""
     rows, pending, attempt = [], list(group), 0
     while pending:
         attempt += 1
-        nproc, flags, _, _ = cc.LAYOUTS[pending[0].layout]
+        layout, lasting = pending[0].layout, pending[0].target in cc.LASTING
         steps = cc.fault_step(len(pending) - 1) + cc.GAP - 1
-        out = workdir / f"{pending[0].layout}-{pending[0].target}-{pending[0].scope}-{attempt}"
-        config = workdir / "campaign.yaml"
-        config.write_text(CONFIG + (cc.FULL_DETECTORS if cc.full(pending[0].layout) else ""))
-        # Checkpoints (the rollback targets, one before each fault) only where a fault stays in the
-        # weights or the optimizer state; a gradient or output fault is over once its step is skipped.
-        # Each is saved two steps before a fault, so the clean check between certifies it.
-        saves = cc.SAVE_INTERVAL if pending[0].target in cc.LASTING else 0
-        args = ["--steps", str(steps), "--save-interval", str(saves), "--save-from", str(cc.WARMUP - 1),
-                "--seed", str(cc.SEED), "--config", str(config), *flags]
-        for index, cell in enumerate(pending):
-            args += ["--inject", cell.spec(cc.fault_step(index))]
-        code, output = runner(out, args, nproc)
-        losses, outside = losses_of(output), outside_of(output)
-        incidents = [json.loads(line) for line in (out / "incidents.jsonl").read_text().splitlines()
-                     if line.strip()] if (out / "incidents.jsonl").exists() else []
+        out = workdir / f"{layout}-{pending[0].target}-{pending[0].scope}-{attempt}"
+        drills = [cell.spec(cc.fault_step(index)) for index, cell in enumerate(pending)]
+        code, losses, outside, incidents = train(out, layout, steps, drills, lasting, runner)
         reached = max(losses, default=0)
         done = []
         for index, cell in enumerate(pending):
@@ -103,12 +145,14 @@ def run_group(group: list, workdir: Path, runner, progress) -> list[dict]:
             row = cc.score(cell, step, incidents, losses, code == 0 or step + cc.GAP - 1 <= reached,
                            outside.get(cell.spec(step)))
             row["run"] = out.name
+            if row["false_positives"] and index:
+                row = alone(cell, step, row, workdir, runner)
             done.append(row)
             progress(row)
             if code != 0 and step + cc.GAP - 1 > reached:
                 break  # the run stopped inside this cell's window
         if not done:
-            raise RuntimeError(f"run {out} made no progress (exit {code}): {output[-2000:]}")
+            raise RuntimeError(f"run {out} made no progress (exit {code}): {(out / 'output.log').read_text()[-2000:]}")
         rows += done
         pending = pending[len(done):]
     return rows

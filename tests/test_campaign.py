@@ -23,7 +23,10 @@ SCORES = ("detected", "localized", "false_positives", "recovered", "steps_to_det
 
 # Seen to score differently between two runs of the same code: the one-rank training of the weight and
 # state faults (27 rollbacks by step 379) met peers false positives on layer 0's fc2 bias in the run
-# behind docs/campaign.json and not in the next one (docs/reliability.md, hole 10; cause not found).
+# behind docs/campaign.json and not in the next one. Their cause, found 2026-12-06: the faults before
+# them that the guard neither skipped nor rolled back, still in the weights (with step 373's fault
+# dropped they came again, with no fault at all they did not, and neither half of the earlier faults
+# alone brought them); such a cell is now scored again in a training of its own (fault_campaign.alone).
 VARIES = {"1rank/exp_avg/element/inf", "1rank/exp_avg/element/bitflip:mantissa_high",
           "1rank/exp_avg/element/scale:x1000", "1rank/exp_avg/all/bitflip:exponent_high",
           # docs/reliability.md, "A rollback that repeats itself": a zscore every redo met again at the same
@@ -178,3 +181,43 @@ def test_an_activation_with_a_share_of_its_signs_flipped_is_what_a_clean_output_
     assert max(abs(m) for m in seen["mean_over_rms"]) < 0.05
     assert 0.45 < min(seen["positive"]) and max(seen["positive"]) < 0.55
     assert min(seen["ratio"]) < 0.8 and max(seen["ratio"]) > 1.25
+
+
+def _stand_in_runner(incidents_of, calls: list):
+    """A runner that trains nothing (the campaign's bookkeeping under test): every step logs loss
+    1.0, and the records are what ``incidents_of(drills)`` gives."""
+    def runner(out, layout, steps, config, drills, lasting):
+        calls.append((out.name, steps, list(drills)))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "incidents.jsonl").write_text("".join(json.dumps(r) + "\n" for r in incidents_of(drills)))
+        return 0, "".join(f"step {s:>4}/{steps} | loss 1.0000 | grad-norm 1\n" for s in range(1, steps + 1))
+    return runner
+
+
+def test_a_cell_with_incidents_on_its_controls_after_earlier_faults_is_scored_again_alone(tmp_path):
+    """A training carries many cells; where the second cell's controls had an incident, the cell
+    is trained again with its fault alone at the same step, that run gives its row, and the grouped
+    score is kept under ``grouped``. The first cell's controls (no fault before it) are its own."""
+    first, second = cc.Cell("nan", "element", "param", "1rank"), cc.Cell("scale:x2", "element", "param", "1rank")
+    at = [cc.fault_step(0), cc.fault_step(1)]
+    found = {"kind": "nan", "first": {"name": cc.PARAM, "ranks": {"global": 0}}}
+    grouped = [{"step": at[0], **found}, {"step": at[0] + cc.DETECT + 1, **found}, {"step": at[1] + cc.DETECT + 1, **found}]
+    calls: list = []
+    rows = fc.campaign([first, second], tmp_path, per_run=60, quiet=True,
+                       runner=_stand_in_runner(lambda drills: grouped if len(drills) == 2 else [], calls))
+    assert [c[2] for c in calls] == [[first.spec(at[0]), second.spec(at[1])], [second.spec(at[1])]]
+    assert calls[1][1] == at[1] + cc.GAP - 1  # the alone run ends where the cell's controls end
+    assert rows[0]["localized"] and rows[0]["false_positives"] == 1 and "grouped" not in rows[0]
+    assert rows[1]["false_positives"] == 0 and rows[1]["run"].endswith("-alone")
+    assert rows[1]["grouped"] == {"run": calls[0][0], "detected": False, "localized": False, "false_positives": 1,
+                                  "recovered": True}
+
+
+def test_the_forward_origin_narrows_the_origin_ranks_only_when_it_is_a_part_of_them():
+    """EP2: the all-to-all carries a forward fault to both ranks within the step, so both gradients
+    go non-finite; the rerun's forward origin is the rank it entered. DP2, a state fault on rank 0's
+    shard: the gathered weight makes both forward passes go off; the origin is rank 0's held state."""
+    assert cc.reported_ranks({"origin_ranks": [0, 1], "forward_origin": {"ranks": [1]}}) == [1]
+    assert cc.reported_ranks({"origin_ranks": [0], "forward_origin": {"ranks": [0, 1]}}) == [0]
+    assert cc.reported_ranks({"origin_ranks": [1], "forward_origin": {"ranks": [1]}, "suspected_ranks": [0]}) == [0]
+    assert cc.reported_ranks({"forward_origin": {"ranks": [1]}}) == [1]
