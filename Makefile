@@ -86,9 +86,11 @@ bench: install
 bench-rollback: install
 	$(VPY) scripts/bench_rollback.py --out bench_rollback.json
 
-# The fault campaign (issue 40): every fault kind x scope x target of the drills' menu on one rank and
-# DP2, scored strictly; runs/campaign/campaign.json and the table (docs/reliability.md, "Fault campaign").
-# CAMPAIGN_ARGS=--quick: the CI test's cells; --from-json docs/campaign.json --write-docs: the docs table.
+# The fault campaign (issue 40): every fault kind x scope x target of the drills' menu on one rank,
+# DP2, TP2 and PP2 (the harness), scored strictly; runs/campaign/campaign.json and the table
+# (docs/reliability.md, "Fault campaign"). EP2 and CP2 train through Megatron-LM's loop: add them with
+# PYTHON=python3.12 VENV=.venv312. CAMPAIGN_ARGS=--quick: the CI test's cells;
+# --from-json docs/campaign.json --write-docs: the docs table.
 campaign: install
 	$(VPY) scripts/fault_campaign.py --out runs/campaign $(CAMPAIGN_ARGS)
 
