@@ -1,16 +1,20 @@
 """The fault campaign (issue 40): every fault kind x scope x target of the drills' menu, on one
-rank, DP2 (bf16, distributed optimizer), TP2 and PP2, each with the guard's defaults and with every
-detector on (``+full``: the state audit and gradient peaks as well), through the tiny-GPT harness,
-scored strictly (scripts/campaign_cells.py says how). Writes OUT/campaign.json (or --json) and OUT/campaign.md.
+rank, DP2 (bf16, distributed optimizer), TP2 and PP2 through the tiny-GPT harness, and EP2 and CP2
+through Megatron-LM's own loop (megatron-core 0.17+, Python 3.12), each with the guard's defaults and
+with every detector on (``+full``: the state audit, gradient peaks and activations as well), scored
+strictly (scripts/campaign_cells.py says how). Writes OUT/campaign.json (or --json) and OUT/campaign.md.
 
-    .venv/bin/python scripts/fault_campaign.py --out runs/campaign            # the full campaign
+    .venv/bin/python scripts/fault_campaign.py --out runs/campaign            # the harness layouts
+    .venv312/bin/python scripts/fault_campaign.py --layouts ep2 cp2 ep2+full cp2+full --out runs/loop
     .venv/bin/python scripts/fault_campaign.py --quick --out runs/campaign    # one scope per kind
     .venv/bin/python scripts/fault_campaign.py --from-json docs/campaign.json --write-docs
 
 One training carries many cells: a fault every GAP steps after a warm-up, each followed by clean
 control steps; where a fault lasts (weights, optimizer state) a checkpoint before every other fault
-is the rollback target. A run that stops early is not retried for the cell it stopped in (scored
-not recovered); the cells after it go to a fresh run. The ranks are forked from this process as
+(the harness) or the loop's in-memory snapshots are the rollback target. A run that stops early is
+not retried for the cell it stopped in (scored not recovered); the cells after it go to a fresh
+run. A cell after the first whose training shows what its fault should not make is trained again
+alone (:func:`alone`). The ranks are forked from this process as
 the tests fork them (tests/conftest.py), so a run costs its steps, not a start-up. Progress: one
 line per cell.
 

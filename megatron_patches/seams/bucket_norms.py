@@ -129,21 +129,12 @@ def takes_over(result: Any, rejection_func: Callable) -> bool:
 
 def nonfinite_params(chunks: ModelChunks, group: Any) -> list[ParamFinding]:
     """This rank's parameters in ``group`` whose local gradient holds NaN/Inf (the fault path)."""
-    params = chunks.group_params(group)
-    infos = names_of(chunks, params)
-    ranks, host, device = naming.rank_info(parallel_state()), naming.host(), naming.device_name()
-    findings = []
-    for param in params:
-        grad = model_grad(param)
-        if grad is None:
-            continue
+    def judge(grad: torch.Tensor) -> Optional[dict]:
         nan, inf = int(torch.isnan(grad).sum()), int(torch.isinf(grad).sum())
-        if not (nan or inf):
-            continue
-        findings.append(ParamFinding.located(
-            infos.get(id(param)), ranks, shape=list(param.shape), nan=nan, inf=inf, overflow=0, norm=None,
-            host=host, device=device, reasons=(["nan"] if nan else []) + (["inf"] if inf else [])))
-    return findings
+        return {"nan": nan, "inf": inf, "overflow": 0,
+                "reasons": (["nan"] if nan else []) + (["inf"] if inf else [])} if nan or inf else None
+
+    return _local_findings(chunks, group, judge)
 
 
 OVERFLOW_ABS = 2.0 ** 64
@@ -155,18 +146,27 @@ def overflowed_params(chunks: ModelChunks, group: Any) -> list[ParamFinding]:
     float32's range: in an fp32 or bf16 buffer (float32's range) no trained gradient comes near it
     (an element of 2^64 or more, a bit flipped into the exponent), so the rank is an origin; an
     fp16 buffer's norm overflows on ordinary values, which the loss scaler handles (none named)."""
-    findings = []
+    def judge(grad: torch.Tensor) -> Optional[dict]:
+        if grad.dtype == torch.float16 or torch.isfinite(grad.float().pow(2).sum()):
+            return None
+        return {"nan": 0, "inf": 0, "overflow": int((grad.abs() >= OVERFLOW_ABS).sum()), "reasons": ["overflow"]}
+
+    return _local_findings(chunks, group, judge)
+
+
+def _local_findings(chunks: ModelChunks, group: Any, judge: Callable[[torch.Tensor], Optional[dict]]) -> list:
+    """A finding for each parameter of ``group`` whose local gradient ``judge`` faults (its counts
+    and reasons), named and located on this rank."""
     params = chunks.group_params(group)
     infos = names_of(chunks, params)
     ranks, host, device = naming.rank_info(parallel_state()), naming.host(), naming.device_name()
+    findings = []
     for param in params:
         grad = model_grad(param)
-        if grad is None or grad.dtype == torch.float16 or torch.isfinite(grad.float().pow(2).sum()):
-            continue
-        findings.append(ParamFinding.located(
-            infos.get(id(param)), ranks, shape=list(param.shape), nan=0, inf=0,
-            overflow=int((grad.abs() >= OVERFLOW_ABS).sum()), norm=None, host=host, device=device,
-            reasons=["overflow"]))
+        found = judge(grad) if grad is not None else None
+        if found is not None:
+            findings.append(ParamFinding.located(infos.get(id(param)), ranks, shape=list(param.shape), norm=None,
+                                                 host=host, device=device, **found))
     return findings
 
 
