@@ -1,4 +1,5 @@
-"""``megatron-patches``: read a run's incidents (``report``) and check a setup (``doctor``).
+"""``megatron-patches``: read a run's incidents (``report``), check a setup (``doctor``) and restart a
+training after a rollback (``launch``).
 
 Bad input ends with one line on stderr and a non-zero exit, never a traceback:
 2 for unusable input, 1 when ``doctor`` found a FAIL.
@@ -199,9 +200,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from .errors import ConfigError
 
     checks = _Checks()
-    py_ok = sys.version_info >= (3, 10)
+    py_ok = sys.version_info >= versions.PYTHON_MIN
     checks.line("ok" if py_ok else "FAIL", "python", f"{platform.python_version()} ({sys.executable})"
-                + ("" if py_ok else "; megatron_patches needs Python >= 3.10"))
+                + ("" if py_ok else f"; megatron_patches needs Python >= {versions.python_min()}"))
     checks.line("ok", "megatron_patches", f"{__version__} at {os.path.dirname(os.path.abspath(__file__))}")
 
     source = args.config or os.environ.get(ENV_VAR) or None
@@ -260,9 +261,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=" ".join(__doc__.split("\n\n")[0].replace("``", "").split()))
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{report,doctor}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{report,doctor,launch}")
 
     rep = sub.add_parser("report", help="explain the incidents recorded in a report directory")
     rep.add_argument("dir", metavar="DIR", help="a run's report_dir (holds incidents.jsonl)")
@@ -273,10 +274,20 @@ def build_parser() -> argparse.ArgumentParser:
     doc = sub.add_parser("doctor", help="check the environment and config before training")
     doc.add_argument("--config", metavar="FILE", help="YAML config to check (default: $MEGATRON_PATCHES_CONFIG)")
     doc.set_defaults(func=cmd_doctor)
+
+    # Listed for --help only: main() hands everything after `launch` to megatron_patches.launch,
+    # whose own parser takes the command after `--` verbatim.
+    sub.add_parser("launch", add_help=False, help="run a training command and restart it after a rollback "
+                   "(exit 84): launch [--max-restarts N] -- torchrun ...")
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:
+        from . import launch
+
+        return launch.main(argv[1:], prog=f"{PROG} launch")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -71,7 +71,7 @@ class AlertsConfig:
 class ExitCodesConfig:
     rollback: int = field(default=84, metadata={"check": check.exit_status})
     """Every rank exits with this after the ledger is written: restart the job, it resumes from
-    the newest healthy checkpoint (``scripts/restart_on_rollback.py --restart-on`` must match)."""
+    the newest healthy checkpoint (``megatron-patches launch --restart-on`` must match)."""
     stop: int = field(default=85, metadata={"check": check.exit_status})
     """An *error* with ``response.on_error: stop``: stopped cleanly for a person to look."""
     critical: int = field(default=86, metadata={"check": check.exit_status})
@@ -213,7 +213,8 @@ class Config:
     grad_history_max_lines: int = field(default=100_000, metadata={"check": check.at_least_one})
     """Rotate grad_history.jsonl to grad_history.jsonl.1 after this many lines (bounds disk use)."""
     inject: tuple[str, ...] = ()
-    """Fault-injection specs for drills, e.g. "nan:step=5,param=*linear_fc1.weight" (see README)."""
+    """Fault-injection specs for drills, e.g. "nan:step=5,param=*linear_fc1.weight" (the spec:
+    docs/contributing.md, "Fault injection")."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Level of this package's log messages."""
 

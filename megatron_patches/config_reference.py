@@ -8,6 +8,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import re
 import sys
 import typing
 from typing import Any, Iterator
@@ -83,9 +84,21 @@ def _rows(cls: type) -> Iterator[str]:
         yield f"| `{f.name}` | `{_cell(kind)}` | `{_cell(default)}` | {_cell(text)} |"
 
 
+def markdown(text: str) -> str:
+    """A docstring's reStructuredText markup as Markdown: a role (``:class:`~x.Y```) becomes its
+    target in code quotes (`` `Y` ``, ``~`` keeping the last name), a double-backtick literal a
+    single-backtick one."""
+    def role(match: re.Match) -> str:
+        target = match.group(1)
+        return f"`{target.rsplit('.', 1)[-1] if target.startswith('~') else target}`"
+
+    text = re.sub(r":[a-z]+(?::[a-z]+)?:`([^`]+)`", role, text)
+    return re.sub(r"``(.+?)``", r"`\1`", text)
+
+
 def _cell(text: str) -> str:
     """``text`` inside a Markdown table cell."""
-    return text.replace("|", "\\|")
+    return markdown(text).replace("|", "\\|")
 
 
 def render() -> str:

@@ -9,16 +9,20 @@ from __future__ import annotations
 import re
 import sys
 
+PYTHON_MIN = (3, 11)
+"""The oldest Python megatron_patches runs on (``enum.StrEnum``; setup.py's ``python_requires``)."""
+
 SUPPORTED = ">=0.12,<0.21"
 """megatron-core 0.12.x to 0.19.x and Megatron-LM main (0.20.x). CI trains with 0.16.1 (the newest
 release for Python 3.11) and 0.19.x (Python 3.12)."""
 
 LINES = (
-    # (first minor, last minor, minimum Python, what CI trains with)
-    ((0, 12), (0, 16), (3, 10), "0.16.1"),
+    # (first minor, last minor, minimum Python, what CI trains with); megatron-core 0.12-0.16 take
+    # Python 3.10 too, megatron_patches does not (PYTHON_MIN).
+    ((0, 12), (0, 16), PYTHON_MIN, "0.16.1"),
     ((0, 17), (0, 20), (3, 12), "0.19.x"),
 )
-"""The supported lines and the Python their wheels require (0.17+ wheels need 3.12)."""
+"""The supported lines and the Python each needs with megatron_patches (0.17+ wheels need 3.12)."""
 
 REFUSED = {
     (0, 8): ("MindSpeed's older branches use it, but it lacks what the guard wraps: no "
@@ -37,10 +41,15 @@ def _minor(version: str) -> tuple[int, int]:
 
 
 def supported_lines() -> str:
-    """``0.12-0.16 (Python >= 3.10), 0.17-0.20/main (Python >= 3.12)``: for error messages."""
+    """``0.12-0.16 (Python >= 3.11), 0.17-0.20/main (Python >= 3.12)``: for error messages."""
     return ", ".join(
         f"{lo[0]}.{lo[1]}-{hi[0]}.{hi[1]}{'/main' if hi >= (0, 20) else ''} "
         f"(Python >= {py[0]}.{py[1]})" for lo, hi, py, _ in LINES)
+
+
+def python_min() -> str:
+    """``3.11``: :data:`PYTHON_MIN` as people write it."""
+    return ".".join(map(str, PYTHON_MIN))
 
 
 def refusal(version: str) -> str | None:
