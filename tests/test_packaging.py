@@ -87,3 +87,45 @@ def test_an_editable_install_keeps_the_test_runtime(source, tmp_path):
                           "import megatron_patches.testing.tiny_gpt as t; print(t.__file__)")
     assert found.returncode == 0, found.stderr
     assert found.stdout.strip() == str(source / "megatron_patches" / "testing" / "tiny_gpt.py")
+
+
+def test_installed_with_no_deps_into_an_environment_with_torch_and_megatron_core(wheel, tmp_path):
+    """README, "Install into your training environment": ``pip install --no-deps`` into an environment
+    that has torch and megatron-core installs no second megatron-core; the opt-in imports from the
+    installed wheel and ``megatron-patches launch`` runs. The fresh venv sees this environment's
+    torch and megatron-core through a .pth line (a path only: the editable install's finder there
+    does not run, so nothing but the wheel can provide megatron_patches)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    libraries = [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")]
+    (Path(purelib) / "training_environment.pth").write_text("\n".join(libraries) + "\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MEGATRON_PATCHES_CONFIG")}
+
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
+                              "--no-index", str(wheel)], capture_output=True, text=True, env=env, timeout=120)
+    assert install.returncode == 0, install.stderr
+    installed = sorted(p.name for p in Path(purelib).iterdir())
+    assert [n for n in installed if n.startswith("megatron_patches-")] == ["megatron_patches-0.1.0.dist-info"]
+    assert [n for n in installed if n.startswith(("megatron_core", "megatron"))] == ["megatron_patches",
+                                                                                   "megatron_patches-0.1.0.dist-info"]
+
+    where = subprocess.run([str(python), "-c", "import megatron_patches.apply as a, megatron.core as m; "
+                            "print(a.__file__); print(m.__file__)"],
+                           cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    assert where.returncode == 0, where.stderr
+    apply_file, core_file = where.stdout.splitlines()[-2:]
+    assert apply_file == str(Path(purelib) / "megatron_patches" / "apply.py")
+    assert any(core_file.startswith(lib + os.sep) for lib in libraries), core_file
+
+    launch = venv / "bin" / "megatron-patches"
+    helped = subprocess.run([str(launch), "launch", "--help"], capture_output=True, text=True, env=env, timeout=60)
+    assert helped.returncode == 0, helped.stderr
+    assert helped.stdout.startswith("usage: megatron-patches launch [--max-restarts N]")
+    # A rollback with no restart left ends the launcher with the rollback's 84 (what a scheduler reads).
+    ran = subprocess.run([str(launch), "launch", "--max-restarts", "0", "--", str(python), "-c", "raise SystemExit(84)"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert ran.returncode == 84, ran.stderr
+    assert "the restart budget of 0 is spent; stopping with 84" in ran.stderr
