@@ -2,6 +2,7 @@
 URLs kept out of messages, and config files that are not YAML mappings (config.py, config_load.py)."""
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -229,13 +230,37 @@ def test_the_configuration_reference_is_the_one_the_code_generates():
         "python -m megatron_patches.config_reference > docs/configuration.md")
 
 
-def test_the_config_operations_md_quotes_is_the_default_config():
-    """The YAML block under "## Configuration" in docs/operations.md, read as a config, is Config()."""
+def yaml_blocks() -> list[tuple[str, str]]:
+    """(file, block) of every ```yaml block in the README and docs/: each is a guard config."""
+    found = []
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for block in re.findall(r"```yaml\n(.*?)```", path.read_text(), flags=re.S):
+            found.append((path.relative_to(REPO).as_posix(), block))
+    return found
+
+
+def test_every_config_the_docs_show_is_accepted_by_the_code():
+    """The keys live once, in docs/configuration.md (generated); a YAML example elsewhere must still be a
+    config the code accepts: a renamed or removed key in one fails here."""
     import yaml
 
-    text = (REPO / "docs" / "operations.md").read_text()
-    block = text.split("## Configuration", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
-    assert Config.from_dict(yaml.safe_load(block)) == Config()
+    blocks = yaml_blocks()
+    assert len(blocks) >= 5
+    for where, block in blocks:
+        try:
+            Config.from_dict(yaml.safe_load(block))
+        except ConfigError as exc:
+            pytest.fail(f"a YAML example in {where} is refused: {exc}")
+
+
+def test_the_readme_config_shows_the_defaults_but_disable_features():
+    """The README says each value of its short config is the default, but disable_features."""
+    import yaml
+
+    [block] = [b for where, b in yaml_blocks() if where == "README.md"]
+    shown = yaml.safe_load(block)
+    assert shown["recovery"].pop("disable_features") == ["dropout"]
+    assert Config.from_dict(shown) == Config()
 
 
 @pytest.mark.parametrize("codes, problem", [

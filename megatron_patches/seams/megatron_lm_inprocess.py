@@ -41,6 +41,7 @@ from ..incidents import IN_MEMORY, Incident
 from ..ledger import Ledger
 from ..protocols import Guard
 from ..recovery import Episode
+from . import start_line
 from .megatron_lm_checkpoints import DIVERGED, diverged_since, newest_healthy_iteration, warn0
 from .megatron_lm_rollback import Rollback, scale_group_bounds, scale_scheduler_bounds
 from .megatron_lm_state import after_restore, install_tapes, live_tensors, restore_values, small_values, snapshot_bytes
@@ -197,8 +198,7 @@ class InProcessRollback(Callback):
         chunks = self.monitor.model_chunks.chunks_for(optimizer) or []
         self._expected_bytes = snapshot_bytes(chunks, optimizer)
         largest = max(row[0] for row in collectives.all_gather_floats([float(self._expected_bytes)]))
-        return (f"; in-memory snapshots every {self.store.interval} iterations, {self.store.kept} kept: at most "
-                f"{self.store.kept * largest / 2**20:.1f} MiB of host memory per rank")
+        return start_line.memory_text(self.store.interval, self.store.kept, largest)
 
     def _snapshot(self, iteration: int, bound: inspect.BoundArguments) -> None:
         if not self.store.due(iteration):

@@ -184,9 +184,7 @@ def install(version: Optional[str] = None, say_now: bool = True) -> list[str]:
         _after_import(target.module, lambda target=target: _install_lazy(target, version))
     if done:
         packages = sorted({module.rsplit(".", 1)[0] for module in absent})
-        start_line.hold(f"guarding megatron-core {version}: {len(done)} targets wrapped"
-                        f"{', ' + ', '.join(packages) + ' absent (its targets skipped)' if packages else ''}; "
-                        "log_level debug lists each and why")
+        start_line.hold(start_line.wrapped_text(version, len(done), packages))
         if say_now:
             start_line.say(final=True)
     return done

@@ -23,6 +23,20 @@ _held: Optional[str] = None
 _deferred = False
 
 
+def wrapped_text(version: str, wrapped: int, absent: list[str]) -> str:
+    """The line's first part: ``guarding megatron-core 0.19.2: 24 targets wrapped; ...``;
+    ``absent``: the packages whose targets were skipped (not importable)."""
+    skipped = f", {', '.join(absent)} absent (its targets skipped)" if absent else ""
+    return f"guarding megatron-core {version}: {wrapped} targets wrapped{skipped}; log_level debug lists each and why"
+
+
+def memory_text(interval: int, kept: int, largest_bytes: float) -> str:
+    """What the in-process rollback adds: how often snapshots are taken and the host memory they may
+    hold on the rank holding most (``kept`` copies of its largest state)."""
+    return (f"; in-memory snapshots every {interval} iterations, {kept} kept: at most "
+            f"{kept * largest_bytes / 2**20:.1f} MiB of host memory per rank")
+
+
 def hold(text: str) -> None:
     """The line to say once the optimizer is built."""
     global _held, _deferred
