@@ -365,3 +365,35 @@ def missing_citations() -> list[str]:
 @pytest.mark.one_line
 def test_every_test_and_file_the_docs_cite_exists():
     assert missing_citations() == []
+
+
+# --- the runbook names every exit code --------------------------------------------------------------
+
+
+def runbook_gaps(codes: dict[str, int]) -> list[str]:
+    """The exit codes of ``response.exit_codes`` (name: default) the runbook in docs/operations.md has
+    no row for, and rows for codes the config does not have."""
+    text = (REPO / "docs" / "operations.md").read_text()
+    runbook = text.split("## Runbook: what to do on each exit code", 1)[1].split("\n## ", 1)[0]
+    rows = {int(code) for code in re.findall(r"^\| \*\*(\d+)\*\* ", runbook, re.M)}
+    return [f"no runbook row for {name} ({code})" for name, code in codes.items() if code not in rows] + \
+        [f"a runbook row for {code}, which response.exit_codes does not have" for code in rows - set(codes.values())]
+
+
+def exit_codes() -> dict[str, int]:
+    import dataclasses
+
+    from megatron_patches.config import ExitCodesConfig
+
+    return {f.name: f.default for f in dataclasses.fields(ExitCodesConfig)}
+
+
+@pytest.mark.one_line
+def test_the_runbook_has_a_row_for_every_exit_code():
+    assert len(exit_codes()) >= 4
+    assert runbook_gaps(exit_codes()) == []
+
+
+@pytest.mark.one_line
+def test_an_exit_code_without_a_row_fails_the_runbook_check():
+    assert runbook_gaps({**exit_codes(), "fence": 99}) == ["no runbook row for fence (99)"]
