@@ -397,3 +397,15 @@ def test_the_runbook_has_a_row_for_every_exit_code():
 @pytest.mark.one_line
 def test_an_exit_code_without_a_row_fails_the_runbook_check():
     assert runbook_gaps({**exit_codes(), "fence": 99}) == ["no runbook row for fence (99)"]
+
+
+# --- the Python it needs, said once -----------------------------------------------------------------
+
+
+def test_setup_py_the_readme_and_doctor_ask_for_the_same_python():
+    """setup.py's python_requires, versions.PYTHON_MIN (doctor and the release lines) and the README's
+    "Python 3.11+" are one fact."""
+    setup = (REPO / "setup.py").read_text()
+    assert f'python_requires=">={versions.python_min()}"' in setup
+    assert f"(Python {versions.python_min()}+," in (REPO / "README.md").read_text()
+    assert all(python >= versions.PYTHON_MIN for _, _, python, _ in versions.LINES)
