@@ -210,7 +210,7 @@ def test_a_changed_doctor_line_fails_the_comparison(capsys, tmp_path, monkeypatc
 
 
 def error_mismatches(capsys, tmp_path: Path) -> list[str]:
-    """The error lines the README and operations.md quote, against the code's."""
+    """The error lines the README, operations.md and reliability.md quote, against the code's."""
     bad = []
     [(_, refusal)] = quoted("megatron-core 0.19.2 needs Python")
     if refusal != versions.problem("0.19.2", (3, 11)):
@@ -229,6 +229,16 @@ def error_mismatches(capsys, tmp_path: Path) -> list[str]:
     [(_, quote)] = [(w, line) for w, line in quoted("megatron-patches report: /") if "truncated" in line]
     if masked(quote) != masked(printed):
         bad.append(f"operations.md: {quote!r}\n  the code: {printed!r}")
+
+    from megatron_patches.errors import UserError
+    from megatron_patches.ledger import LEDGER_FILE, Ledger
+
+    (tmp_path / LEDGER_FILE).write_text('{"schema": "megatron_patches.ledger/1", "rollbacks": "3"}')
+    with pytest.raises(UserError) as refused:
+        Ledger.load(str(tmp_path))
+    [(_, quote)] = quoted("ledger /ckpt/megatron_patches_ledger.json: ")
+    if masked(quote) != masked(str(refused.value)):
+        bad.append(f"reliability.md: {quote!r}\n  the code: {str(refused.value)!r}")
     return bad
 
 
