@@ -148,21 +148,16 @@ class ConsistencyDetector(Detector):
             tensors = [tensors[i] for i in sample]
             if self._mode == "params":  # the norms were not read: take them over the share only
                 norms = torch.stack(torch._foreach_norm([t.detach() for t in tensors]))
-        square = norms.float().square().sum() if tensors else torch.zeros((), device=ctx.device)
+        square = (norms if norms.dtype == torch.float32 else norms.float()).square().sum() if tensors \
+            else torch.zeros((), device=ctx.device)
         # One bit pattern for NaN: a group's pieces then sum to 0 exactly when the fingerprints
         # compare equal (_comparable), so the verdict can rest on the reduced vector alone.
-        square = torch.where(torch.isnan(square), torch.full_like(square, math.nan), square)
-        if not tensors:
-            total = torch.zeros((), dtype=torch.int64, device=ctx.device)
-        else:
-            weights = self._odd_weights(self._count, ctx.device)
-            if sample is not None:
-                weights = weights[torch.tensor(sample, device=ctx.device)]
-            total = (_tensor_sums(tensors) * weights.to(ctx.device)).sum()  # exact in int64
-        bits = square.reshape(1).view(torch.int32).to(torch.int64)[0]
-        self._fp = torch.stack([square, (total & _MASK24).float().to(square.device),
-                                ((total >> 24) & _MASK24).float().to(square.device)])
-        out.copy_(_pieces(bits, total.to(bits.device)).float().to(out.device) * self._weight(key, ranks))
+        square = torch.where(square.isnan(), math.nan, square)
+        total = ((_tensor_sums(tensors) * self._odd_weights(self._count, sample, ctx.device)).sum() if tensors  # int64
+                 else torch.zeros((), dtype=torch.int64, device=ctx.device))
+        bits = square.view(torch.int32).to(torch.int64)
+        self._fp = torch.stack([square, (total & _MASK24).float(), ((total >> 24) & _MASK24).float()])
+        torch.mul(_pieces(bits, total), self._weight(key, ranks), out=out)
 
     def _weight(self, key: int, ranks: list) -> float:
         """This rank's factor in its group's zero-sum: ``n - 1`` for the lowest rank, -1 for the
@@ -239,10 +234,14 @@ class ConsistencyDetector(Detector):
             return None
         return [i for i in range(size) if self._rotation.covers(i, self._checks)] or [0]
 
-    def _odd_weights(self, size: int, device: torch.device) -> torch.Tensor:
-        if (size, device) not in self._weights:
-            self._weights[(size, device)] = torch.arange(size, dtype=torch.int64, device=device) * 2 + 1
-        return self._weights[(size, device)]
+    def _odd_weights(self, size: int, sample: Optional[list], device: torch.device) -> torch.Tensor:
+        """The odd weight of each tensor checksummed (those of ``sample``, or all ``size``), made once
+        per share."""
+        key = (size, tuple(sample) if sample is not None else None, device)
+        if key not in self._weights:
+            rows = torch.tensor(sample if sample is not None else range(size), dtype=torch.int64, device=device)
+            self._weights[key] = rows * 2 + 1
+        return self._weights[key]
 
     # --- host ------------------------------------------------------------------------
 
