@@ -70,6 +70,7 @@ class CheckStage:
         self._entries: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
         self._num_slots: dict[int, int] = {}
         self._static: dict[tuple, tuple] = {}
+        self._vectors: dict[tuple, tuple] = {}
 
     def entries_for(self, optimizer: Any) -> list:
         entries = self._entries.get(optimizer)
@@ -153,9 +154,9 @@ class CheckStage:
         grads = [g for _, g in pairs]
         device = grads[0].device if grads else collective_device()
         num_slots = self._num_slots[id(optimizer)]
-        vec = torch.zeros(_HEAD + num_slots + self._detector_width, dtype=torch.float32, device=device)
+        vec, views = self._vector(optimizer, num_slots, device)
         if origin_flag is not None:
-            vec[_ORIGINS] = origin_flag.to(device)
+            views[_ORIGINS].copy_(origin_flag)
         ctx = CheckContext(step=step, entries=live, grads=grads, norms=None, device=device, replay=replay)
         maxabs = None
         if grads:
@@ -163,7 +164,7 @@ class CheckStage:
             norms = ctx.norms = self._norms(optimizer, grads)
             detectors = self.config.detectors
             if detectors.nonfinite.enabled:
-                vec[_NONFINITE] = (~torch.isfinite(norms)).sum()
+                torch.sum(~torch.isfinite(norms), dim=0, dtype=torch.float32, out=views[_NONFINITE])
             if detectors.magnitude.enabled and detectors.magnitude.param_norm_max is not None:
                 vec[_OVER_PARAM] = (norms > detectors.magnitude.param_norm_max).sum()
             if saturation or self._maxabs_wanted:
@@ -172,14 +173,28 @@ class CheckStage:
                 maxabs = ctx.maxabs
                 vec[_SATURATED] = (maxabs >= limits).sum()
             squares = ctx.squares = norms.square() * weights
-            vec[_TOTAL_SQ] = squares.sum()
+            torch.sum(squares, dim=0, out=views[_TOTAL_SQ])
             vec.index_add_(0, slots, squares)  # the per-layer sums, after the head
-        offset = _HEAD + num_slots
-        for detector in self.detectors:
-            width = detector.width()
-            detector.local(ctx, vec[offset:offset + width])
-            offset += width
+        for detector, out in zip(self.detectors, views[_HEAD:]):
+            detector.local(ctx, out)
         return ctx, maxabs, vec
+
+    def _vector(self, optimizer: Any, num_slots: int, device: torch.device) -> tuple:
+        """This optimizer's vector, zeroed (one buffer per optimizer and device, kept: the check
+        reads it back before it returns), with views of its scalar head slots and of each
+        detector's piece (made once, not per check)."""
+        key = (id(optimizer), device)
+        held = self._vectors.get(key)
+        if held is None or held[0].numel() != _HEAD + num_slots + self._detector_width:
+            vec = torch.zeros(_HEAD + num_slots + self._detector_width, dtype=torch.float32, device=device)
+            views, offset = [vec[i] for i in range(_HEAD)], _HEAD + num_slots
+            for detector in self.detectors:
+                views.append(vec[offset:offset + detector.width()])
+                offset += detector.width()
+            held = self._vectors[key] = (vec, views)
+        else:
+            held[0].zero_()
+        return held
 
     def _norms(self, optimizer: Any, grads: list) -> torch.Tensor:
         """Each gradient's L2 norm (float32, on the device): from the kernel call of Megatron's
@@ -190,7 +205,8 @@ class CheckStage:
         if not known:
             return torch.stack(torch._foreach_norm(grads)).float()
         if len(known) == 1 and len(known[0][0]) == len(grads) and all(a is b for a, b in zip(known[0][0], grads)):
-            return known[0][1].float()
+            norms = known[0][1]
+            return norms if norms.dtype == torch.float32 else norms.float()
         return placed_norms(known, grads)
 
 

@@ -284,3 +284,22 @@ def test_the_consistency_fingerprint_equals_the_earlier_ops(monkeypatch, fractio
         old = torch.zeros(detector.width())
         assert same_bits(detector._fp, old_fingerprint(detector, ctx, old)), check
         assert same_bits(new, old) and new.abs().sum() > 0, check
+
+
+def test_the_check_writes_its_sums_into_the_vector_as_the_earlier_setitems_did():
+    norms = torch.stack(torch._foreach_norm(awkward_grads(7))).float()
+    squares = norms.square() * torch.rand(len(norms), generator=torch.Generator().manual_seed(2))
+    old, new = torch.zeros(6), torch.zeros(6)
+    old[0] = (~torch.isfinite(norms)).sum()
+    old[3] = squares.sum()
+    torch.sum(~torch.isfinite(norms), dim=0, dtype=torch.float32, out=new[0])
+    torch.sum(squares, dim=0, out=new[3])
+    assert same_bits(old, new) and old[0] > 0
+    many = torch.rand(100_003, generator=torch.Generator().manual_seed(3)) * 1e3  # the vectorized, blocked sum
+    total = torch.zeros(())
+    torch.sum(many, dim=0, out=total)
+    assert same_bits(total, many.sum())
+    zflag = torch.tensor([True, False, True, True])
+    slot = torch.zeros(1)
+    torch.sum(zflag, dim=0, keepdim=True, dtype=torch.float32, out=slot)
+    assert same_bits(slot, torch.tensor([float(zflag.sum())]))

@@ -55,8 +55,8 @@ def _bits_sum(t: torch.Tensor) -> torch.Tensor:
     same words is several times slower on CPUs). Two-byte tensors are read
     in pairs of elements where aligned (the odd last one alone), eight-byte ones as two halves.
     """
-    flat = t.detach().reshape(-1)
-    size = flat.element_size()
+    flat = (t.detach() if t.requires_grad else t).reshape(-1)
+    size = flat.dtype.itemsize
     if size in (4, 8):  # eight-byte elements: both 32-bit halves
         return flat.view(torch.int32).sum(dtype=torch.int32)
     if size == 2 and flat.storage_offset() % 2 == 0:  # pairs of elements as 32-bit words

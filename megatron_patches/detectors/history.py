@@ -215,7 +215,7 @@ class HistoryDetector(Detector):
         if self._rotation.period > 1:
             mask = self._sample_mask(len(ctx.entries), ctx.device) & mask
         judged = self._judged["params"] = stats.judge(shares(ctx.norms), mask, self.cfg, drift=False)
-        out[_Z] = judged.zflag.sum()
+        torch.sum(judged.zflag, dim=0, keepdim=True, dtype=torch.float32, out=out)  # the one slot, _Z
 
     def verdict(self, ctx: CheckContext, reduced: list) -> list:
         if not self._active:
