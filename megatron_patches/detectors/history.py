@@ -125,12 +125,13 @@ class _Stats:
 
     def update(self, j: Judged, cfg: Any) -> None:
         xp = self.xp
-        alpha = xp.clip(1.0 / (self.count + 1), 1.0 - cfg.ema_beta, None)
+        alpha = xp.clip(1.0 / (counted := self.count + 1), 1.0 - cfg.ema_beta, None)
         limit = _CLIP * j.sd  # > 0: once warm, the deviation is held within +-limit
         dev = xp.where(j.warmed, xp.clip(j.dev, -limit, limit), j.dev)
-        self.mean = xp.where(j.valid, self.mean + alpha * dev, self.mean)
-        self.var = xp.where(j.valid, (1.0 - alpha) * (self.var + alpha * dev * dev), self.var)
-        self.count = self.count + xp.where(j.valid, 1.0, 0.0)
+        step = alpha * dev  # (alpha * dev) * dev below is the variance's alpha * dev * dev, op for op
+        self.mean = xp.where(j.valid, self.mean + step, self.mean)
+        self.var = xp.where(j.valid, (1.0 - alpha) * (self.var + step * dev), self.var)
+        self.count = xp.where(j.valid, counted, self.count)
         self.last = xp.where(j.valid, j.logn, self.last)
         self.run = xp.where(j.valid, 0.0 if j.run is None else j.run, self.run)
 
