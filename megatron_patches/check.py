@@ -70,6 +70,7 @@ class CheckStage:
         self._entries: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
         self._num_slots: dict[int, int] = {}
         self._static: dict[tuple, tuple] = {}
+        self._vectors: dict[tuple, tuple] = {}
 
     def entries_for(self, optimizer: Any) -> list:
         entries = self._entries.get(optimizer)
@@ -138,7 +139,7 @@ class CheckStage:
         cached = self._static.get(key)
         if cached is None:
             weights = torch.tensor([e.weight for e in live], dtype=torch.float32, device=device)
-            slots = torch.tensor([e.slot for e in live], dtype=torch.long, device=device)
+            slots = torch.tensor([_HEAD + e.slot for e in live], dtype=torch.long, device=device)
             limits = torch.tensor([torch.finfo(e.model.dtype).max if e.model.dtype.is_floating_point else math.inf
                                    for e in live], dtype=torch.float32, device=device)
             cached = self._static[key] = (weights, slots, limits)
@@ -146,15 +147,16 @@ class CheckStage:
 
     def _local(self, optimizer: Any, entries: list, step: int, origin_flag: Optional[torch.Tensor],
                saturation: bool, replay: bool):
-        """Per-parameter norms on the device and this rank's vector to all-reduce."""
-        pairs = [(e, g) for e, g in self.seams.current_grads(optimizer, entries) if g is not None and g.numel() > 0]
+        """Per-parameter norms on the device and this rank's vector to all-reduce: a few vector ops
+        over all tensors at once, whatever their number (no torch call per tensor)."""
+        pairs = [(e, g) for e, g in self.seams.current_grads(optimizer, entries) if g is not None and 0 not in g.shape]
         live = [e for e, _ in pairs]
         grads = [g for _, g in pairs]
         device = grads[0].device if grads else collective_device()
         num_slots = self._num_slots[id(optimizer)]
-        vec = torch.zeros(_HEAD + num_slots + self._detector_width, dtype=torch.float32, device=device)
+        vec, views = self._vector(optimizer, num_slots, device)
         if origin_flag is not None:
-            vec[_ORIGINS] = origin_flag.to(device)
+            views[_ORIGINS].copy_(origin_flag)
         ctx = CheckContext(step=step, entries=live, grads=grads, norms=None, device=device, replay=replay)
         maxabs = None
         if grads:
@@ -162,7 +164,7 @@ class CheckStage:
             norms = ctx.norms = self._norms(optimizer, grads)
             detectors = self.config.detectors
             if detectors.nonfinite.enabled:
-                vec[_NONFINITE] = (~torch.isfinite(norms)).sum()
+                torch.sum(~torch.isfinite(norms), dim=0, dtype=torch.float32, out=views[_NONFINITE])
             if detectors.magnitude.enabled and detectors.magnitude.param_norm_max is not None:
                 vec[_OVER_PARAM] = (norms > detectors.magnitude.param_norm_max).sum()
             if saturation or self._maxabs_wanted:
@@ -170,31 +172,78 @@ class CheckStage:
             if saturation:  # the findings' overflow counts come with the saturation check only
                 maxabs = ctx.maxabs
                 vec[_SATURATED] = (maxabs >= limits).sum()
-            squares = norms.square() * weights
-            vec[_TOTAL_SQ] = squares.sum()
-            vec[_HEAD:_HEAD + num_slots].index_add_(0, slots, squares)
-        offset = _HEAD + num_slots
-        for detector in self.detectors:
-            width = detector.width()
-            detector.local(ctx, vec[offset:offset + width])
-            offset += width
+            squares = ctx.squares = norms.square() * weights
+            torch.sum(squares, dim=0, out=views[_TOTAL_SQ])
+            vec.index_add_(0, slots, squares)  # the per-layer sums, after the head
+        for detector, out in zip(self.detectors, views[_HEAD:]):
+            detector.local(ctx, out)
         return ctx, maxabs, vec
 
+    def _vector(self, optimizer: Any, num_slots: int, device: torch.device) -> tuple:
+        """This optimizer's vector, zeroed (one buffer per optimizer and device, kept: the check
+        reads it back before it returns), with views of its scalar head slots and of each
+        detector's piece (made once, not per check)."""
+        key = (id(optimizer), device)
+        held = self._vectors.get(key)
+        if held is None or held[0].numel() != _HEAD + num_slots + self._detector_width:
+            vec = torch.zeros(_HEAD + num_slots + self._detector_width, dtype=torch.float32, device=device)
+            views, offset = [vec[i] for i in range(_HEAD)], _HEAD + num_slots
+            for detector in self.detectors:
+                views.append(vec[offset:offset + detector.width()])
+                offset += detector.width()
+            held = self._vectors[key] = (vec, views)
+        else:
+            held[0].zero_()
+        return held
 
     def _norms(self, optimizer: Any, grads: list) -> torch.Tensor:
         """Each gradient's L2 norm (float32, on the device): from the kernel call of Megatron's
         clipping norm where the seams can make it for Megatron (read once for both,
-        :mod:`megatron_patches.seams.megatron_norm`), a fused pass of our own for the rest."""
+        :mod:`megatron_patches.seams.megatron_norm`), a fused pass of our own for the rest.
+        Usually Megatron's list is the check's, tensor for tensor: its vector is the answer."""
         known = self.seams.megatron_norms(optimizer)
         if not known:
             return torch.stack(torch._foreach_norm(grads)).float()
-        keys = [(g.data_ptr(), tuple(g.shape), g.dtype) for g in grads]
-        norms = [known.get(k) for k in keys]
-        missing = [i for i, n in enumerate(norms) if n is None]
-        if missing:
-            for i, n in zip(missing, torch._foreach_norm([grads[i] for i in missing])):
-                norms[i] = n
-        return torch.stack([n.float() for n in norms])
+        if len(known) == 1 and len(known[0][0]) == len(grads) and all(a is b for a, b in zip(known[0][0], grads)):
+            norms = known[0][1]
+            return norms if norms.dtype == torch.float32 else norms.float()
+        return placed_norms(known, grads)
+
+
+def placed_norms(known: list, grads: list) -> torch.Tensor:
+    """``grads``' norms from the kernel's vectors ``known`` (``[(gradients, norms)]``), matched by
+    object, else by the memory they view; a fused pass of our own for those not in them. Where
+    Megatron's lists are not the check's (tensor-parallel duplicates left out of its norm, a chain of
+    optimizers): a few calls, plus one key per tensor matched by memory."""
+    where = {id(g): i for i, g in enumerate(grads)}
+    source: list = [None] * len(grads)  # index into the concatenated vectors
+    offset, others = 0, []
+    for listed, _ in known:
+        for j, g in enumerate(listed):
+            i = where.get(id(g))
+            if i is not None:
+                source[i] = offset + j
+            else:
+                others.append((g, offset + j))
+        offset += len(listed)
+    missing = [i for i, n in enumerate(source) if n is None]
+    if missing and others:
+        by_key = {_memory(g): n for g, n in others}
+        for i in missing:
+            source[i] = by_key.get(_memory(grads[i]))
+        missing = [i for i, n in enumerate(source) if n is None]
+    vectors = [norms for _, norms in known]
+    if missing:
+        vectors.append(torch.stack(torch._foreach_norm([grads[i] for i in missing])))
+        for k, i in enumerate(missing):
+            source[i] = offset + k
+    flat = torch.cat(vectors) if len(vectors) > 1 else vectors[0]
+    return flat[torch.tensor(source, dtype=torch.long, device=flat.device)].float()
+
+
+def _memory(tensor: torch.Tensor) -> tuple:
+    """Which memory a gradient is (two view objects of the same bytes share it)."""
+    return tensor.data_ptr(), tuple(tensor.shape), tensor.dtype
 
 
 def resolve_overflow_mode(mode: str) -> str:

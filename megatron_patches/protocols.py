@@ -128,9 +128,10 @@ class Seams(Protocol):
     def audit_refusal(self, optimizer: Any) -> Optional[str]:
         """Why the state audit cannot run on this optimizer (one line), None where it can."""
 
-    def megatron_norms(self, optimizer: Any) -> dict:
-        """Per-gradient norms from the kernel call Megatron's clipping norm will make this step,
-        made now and kept for it (``{(data_ptr, shape, dtype): norm}``; empty: read them yourself)."""
+    def megatron_norms(self, optimizer: Any) -> list:
+        """Per-gradient norms from the kernel calls Megatron's clipping norm will make this step,
+        made now and kept for them: ``[(gradients, their norms as one device vector)]`` per call
+        (empty: read them yourself)."""
 
     def covers(self, model_chunks: list) -> bool:
         """True where Megatron DDP's own ``start_grad_sync`` carries the pre-reduction pass."""

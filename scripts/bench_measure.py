@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 import re
+import sys
 import time
 import typing
 from collections import Counter
@@ -14,8 +16,10 @@ from collections import Counter
 import numpy as np
 import torch
 import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import megatron_patches
 from megatron_patches.faults import held_tensors, optimizer_states
 from megatron_patches.seams import wrappers
 
@@ -98,6 +102,59 @@ class HostReadCounter:
             else:
                 setattr(torch.Tensor, name, original)
         self._saved = {}
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_PACKAGE_DIR = os.path.dirname(megatron_patches.__file__) + os.sep
+_DECORATOR = os.path.join(_TORCH_DIR, "utils", "_contextlib.py")
+_HARNESS_DIR = os.path.join(_PACKAGE_DIR, "testing") + os.sep
+
+
+def _passes_on(code) -> bool:
+    """Frames that only pass a call on: torch's own, this file's (HostReadCounter's wrappers), and
+    another TorchFunctionMode's handler re-dispatching the call it was given (the seam's
+    ``_TensorNorms`` watching Megatron's own norm calls, the CPU runtime's): the call is its caller's."""
+    return (code.co_filename.startswith(_TORCH_DIR) or code.co_filename == __file__
+            or code.co_name == "__torch_function__")
+
+
+class TorchCallCounter(TorchFunctionMode):
+    """Torch functions and Tensor methods called from the guard's own frames, while entered.
+
+    Every call of a torch function or Tensor method reaches ``__torch_function__`` (a C function
+    directly, a Python one of torch's through ``handle_torch_function``); the call counts when
+    the first frame above it that only passes calls on (:func:`_passes_on`) lies in the
+    megatron_patches package, outside ``megatron_patches/testing`` (the tiny-GPT harness and the CPU
+    runtime: the training loop and the stand-ins for CUDA, not the guard; Megatron's frames and this
+    script's do not count either). A call made inside a counted one
+    (torch's Python code calling further torch functions) does not reach the mode again: one call,
+    one count. Attribute reads (``Tensor.shape``, ``.dtype``, ``.grad``: descriptors' ``__get__``)
+    launch nothing and are counted apart, in ``attributes``. ``by_name``: the calls by function
+    name and the package file that made them."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.attributes = 0
+        self.by_name: Counter = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        frame, decorated = sys._getframe(1), False
+        while frame is not None and _passes_on(frame.f_code):
+            decorated = decorated or frame.f_code.co_filename == _DECORATOR
+            frame = frame.f_back
+        # Made by torch's decorator around a function (torch.no_grad() on Megatron's step): that
+        # function's call, not its caller's.
+        where = frame.f_code.co_filename if frame is not None and not decorated else ""
+        if where.startswith(_PACKAGE_DIR) and not where.startswith(_HARNESS_DIR):
+            name = getattr(func, "__name__", str(func))
+            if name == "__get__":
+                self.attributes += 1
+            else:
+                self.calls += 1
+                where = os.path.relpath(where, _PACKAGE_DIR)
+                self.by_name[f"{name} ({where})"] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _to_host(tensor: torch.Tensor, args, kwargs) -> bool:

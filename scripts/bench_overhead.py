@@ -44,7 +44,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from bench_measure import (GradReadCounter, HostReadCounter, Stopwatch, gradient_bytes, instrumented_hooks,
+from bench_measure import (GradReadCounter, HostReadCounter, Stopwatch, TorchCallCounter, gradient_bytes, instrumented_hooks,
                            merged_counts, model_state_storages, retained_storages, stats, total_count)
 from bench_report import DP2_NPROC, LIMITS, TITLES, VARIANTS, environment, print_table, targets
 from bench_variants import Variants
@@ -129,6 +129,7 @@ class SizeBench:
         self.grad_reads = {v: [] for v in VARIANTS}
         self.grad_reads_by_hook = {v: [] for v in VARIANTS}
         self.state_reads = {v: [] for v in VARIANTS}
+        self.torch_calls = {v: [] for v in VARIANTS}
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.tag = size if self.world == 1 else f"{size}, {self.world} ranks"
@@ -215,9 +216,11 @@ class SizeBench:
                          if monitor else contextlib.nullcontext())
                 before = monitor.counters["checked_steps"] if monitor else 0
                 grad_reads = GradReadCounter(self.trainer, counter)
+                calls = TorchCallCounter()
                 self.variants.activate(v, self.trainer.optimizer)  # outside the counters (bench_variants.Variants.activate)
-                with scope, counter, grad_reads:
+                with scope, counter, grad_reads, calls:
                     self.step(v, activated=True)
+                self.torch_calls[v].append(calls)
                 self.checked[v] += monitor.counters["checked_steps"] - before if monitor else 1
                 self.reads[v].append(+counter.step)  # unary + drops zero counts
                 self.in_hooks[v].append(+counter.hook)
@@ -272,6 +275,19 @@ class SizeBench:
                 # Megatron's own norm pass, absent when the guard serves it, shows as a difference).
                 "read_passes_per_step_by_hook": {k: n / len(self.grad_reads[v]) / grad_bytes for k, n in
                                                  sorted(sum(self.grad_reads_by_hook[v], Counter()).items())},
+            })
+            calls = self.torch_calls[v]
+            entry.update({
+                # Torch functions and Tensor methods called from the package's frames (TorchCallCounter).
+                # Minus variant A's: the harness's own calls into the package's helpers
+                # (collectives' loss average, the RNG state's clone), made unguarded too.
+                "torch_calls_per_checked_step":
+                    (sum(c.calls for c in calls) - sum(c.calls for c in self.torch_calls["A"])) / checked,
+                "torch_calls_per_step": sum(c.calls for c in calls) / len(calls),
+                "torch_attribute_reads_per_checked_step":
+                    (sum(c.attributes for c in calls) - sum(c.attributes for c in self.torch_calls["A"])) / checked,
+                "torch_calls_by_name": {k: n / len(calls) for k, n in
+                                        sum((c.by_name for c in calls), Counter()).most_common()},
             })
             monitor = self.variants.monitors.get(v)
             if monitor is not None:

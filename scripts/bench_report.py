@@ -26,7 +26,7 @@ TITLES = {
 # consistency detector's share (issue 41: at most 0.1 of a pass).
 LIMITS = {"step_overhead_pct": 2.0, "default_extra_read_passes": 0.1, "default_extra_host_reads": 1.0,
           "all_detectors_read_passes": 0.1, "host_reads": 1.0, "memory_pct": 1.0,
-          "fixed_step_ms": 1.0, "fixed_step_pct": 1.0}
+          "fixed_step_ms": 1.0, "fixed_step_pct": 1.0, "default_torch_calls": 30}
 DP2_NPROC = 2
 
 
@@ -90,6 +90,12 @@ def _count_rows(sizes: dict, where: str) -> list[tuple]:
         ("default_extra_host_reads",
          f"default config (B) vs unpatched (A): extra host reads per checked step{where} (every size: worst)",
          worst("B", "host_reads_per_checked_step"), None, {}, LIMITS["default_extra_host_reads"], "reads"),
+        # Issue 59: each is a kernel launch (or a host-side op) on a device; Megatron's own clipping
+        # costs one multi-tensor kernel and one host read.
+        ("default_torch_calls_per_check",
+         f"default config (B): torch functions and Tensor methods called from the guard's frames "
+         f"(megatron_patches/*) per checked step{where} (every size: worst)",
+         worst("B", "torch_calls_per_checked_step"), None, {}, LIMITS["default_torch_calls"], "calls"),
         ("all_detectors_read_passes",
          f"every detector on (C) vs unpatched (A): extra bytes of gradient memory read per checked step / "
          f"gradient bytes{where} (every size: worst)",

@@ -18,7 +18,8 @@ torchrun for several ranks), bounded in time, its output kept in the results fol
   state after every iteration hashed (``testing/step_probe.py``). ``lm_guard_on_off``: guarded
   equals unguarded bit for bit; ``lm_rollback_in_process``: a persistent NaN (two iterations) rolled
   back in process to an in-memory snapshot (on a GPU: pinned buffers, a side stream) and the run
-  then equal to the unguarded one bit for bit; ``lm_step_time``: Megatron's per-iteration times,
+  then equal to the unguarded one bit for bit, with the time the loop was held inside the snapshot
+  copies (per snapshot and per iteration), the snapshot's size and the rollback's time; ``lm_step_time``: Megatron's per-iteration times,
   guarded and not, without the probe (medians; measured, not judged), and a second unguarded run's
   losses against the first (is the device deterministic at all?).
 
@@ -122,6 +123,9 @@ STEP_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration 
 ROLLED = re.compile(r"rolled back in process to the snapshot of iteration (\d+) and redid (\d+) iteration\(s\) "
                     r"in ([\d.]+) s")
 SNAPSHOT_MIB = re.compile(r"([\d.]+) MiB per snapshot on rank 0")
+SNAPSHOT_MS = re.compile(r"([\d.]+) ms inside the copy per snapshot, ([\d.]+) ms per iteration")
+"""The in-process executor's line at exit: the time the loop was held inside the snapshot copies
+(on a GPU: the pinned buffers' first allocation and the copies queued on the side stream)."""
 
 
 class LoopRunner:
@@ -195,6 +199,8 @@ def megatron_lm_checks(loop: LoopRunner, iters: int) -> dict:
                 "redone": int(seen.group(2)) if seen else None,
                 "decision_to_resumed_s": float(seen.group(3)) if seen else None,
                 "snapshot_mib": float(m.group(1)) if (m := SNAPSHOT_MIB.search(rolled["output"])) else None,
+                "snapshot_blocking_ms": float(m.group(1)) if (m := SNAPSHOT_MS.search(rolled["output"])) else None,
+                "snapshot_blocking_ms_per_iteration": float(m.group(2)) if m else None,
                 "why": why(rolled)}
     median = {name: statistics.median(run["step_ms"]) if run["step_ms"] else None
               for name, run in (("off", timed_off), ("on", timed_on))}

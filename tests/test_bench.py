@@ -13,7 +13,8 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {"A", "B", "C", "D", "E"}
-COUNTED = {"default_extra_read_passes", "default_extra_host_reads", "all_detectors_read_passes"}
+COUNTED = {"default_extra_read_passes", "default_extra_host_reads", "all_detectors_read_passes",
+           "default_torch_calls_per_check"}
 TARGETS = {("1 rank", name) for name in COUNTED | {"default_fixed_step_cost_ms", "default_step_overhead_pct",
                                                   "shipped_default_step_overhead_pct",
                                                   "host_reads_per_checked_step", "extra_memory_pct"}} \
@@ -58,6 +59,14 @@ def test_bench_reports_every_variant_host_reads_and_targets(tmp_path):
     assert small["variants"]["D"]["extra_read_passes_per_checked_step"] == pytest.approx(2.0)
     assert small["variants"]["B"]["extra_read_passes_per_checked_step"] == pytest.approx(0.0, abs=0.01)
     assert small["variants"]["B"]["read_passes_per_step_by_hook"]["after_prepare_grads"] == pytest.approx(1.0)
+    # Torch calls from the guard's frames: none beyond stock for the naive loop (it lives in the
+    # benchmark's file, not the guard's), some with the guard, and no loop over the tensors: no
+    # function is called once per tensor or more on a checked step (f3ce4c3 called four that way).
+    assert small["variants"]["A"]["torch_calls_per_checked_step"] == 0
+    assert small["variants"]["D"]["torch_calls_per_checked_step"] == 0
+    assert small["variants"]["B"]["torch_calls_per_checked_step"] > 0
+    per_tensor = {name: n for name, n in small["variants"]["B"]["torch_calls_by_name"].items() if n >= tensors}
+    assert small["variants"]["B"]["torch_calls_by_name"] and not per_tensor, per_tensor
     counters = small["variants"]["B"]["monitor_counters"]
     assert counters["served_norms"] == 0 and counters["shared_norm_reads"] == counters["checked_steps"] > 0
     ranks = data["dp2"]["small"]["ranks"]

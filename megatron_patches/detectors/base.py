@@ -27,6 +27,9 @@ class CheckContext:
     """World-wide per-layer norms (layers..., embedding, output); set with total_norm."""
     replay: bool = False
     """The check of a replay: gradients recomputed for a step already checked, no update follows."""
+    squares: Optional[torch.Tensor] = None
+    """Each gradient's squared norm times its entry's ``weight`` (fp32, on the device; what the
+    per-layer sums add up), None on a rank without any."""
     maxabs: Optional[torch.Tensor] = None
     """Each gradient's largest magnitude on the device (fp32), taken where the saturation check or a
     detector with :attr:`Detector.wants_maxabs` needs it (one fused pass); None otherwise."""

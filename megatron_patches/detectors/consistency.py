@@ -40,48 +40,9 @@ import torch
 
 from .. import collectives, naming
 from .base import CheckContext, Detector, Rotation
+from .fingerprint import _MASK24, _PIECES, _pieces, _tensor_sums
 
 log = logging.getLogger("megatron_patches")
-
-_PIECE_BITS = 4
-_PIECES = (32 + 48) // _PIECE_BITS  # the squared norm's 32 bits, the checksum's 48
-
-
-def _bits_sum(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits of ``t`` read as 32-bit integers and summed modulo 2**32 (0-d int32).
-
-    The result is the exact sum modulo 2**32 whatever the kernel accumulates in, so it does not
-    depend on the order of addition, and it runs at the speed of a norm (an int64 sum of the
-    same words is several times slower on CPUs). Two-byte tensors are read
-    in pairs of elements where aligned (the odd last one alone), eight-byte ones as two halves.
-    """
-    flat = t.detach().reshape(-1)
-    size = flat.element_size()
-    if size in (4, 8):  # eight-byte elements: both 32-bit halves
-        return flat.view(torch.int32).sum(dtype=torch.int32)
-    if size == 2 and flat.storage_offset() % 2 == 0:  # pairs of elements as 32-bit words
-        even = flat.numel() - flat.numel() % 2
-        total = flat[:even].view(torch.int32).sum(dtype=torch.int32)
-        return total + flat[even:].view(torch.int16).sum(dtype=torch.int32) if even < flat.numel() else total
-    if size == 2:  # at an odd offset in a shared buffer: element by element (slower)
-        return flat.view(torch.int16).sum(dtype=torch.int32)
-    return flat.view(torch.uint8).sum(dtype=torch.int32)
-
-
-_MASK24 = (1 << 24) - 1
-
-
-def _pieces(bits: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """The fingerprint's 80 bits (``bits``: the squared norm's 32, ``total``: the checksum's 48,
-    both int64 0-d) as twenty 4-bit integers."""
-    shifts, mask = torch.arange(0, 48, _PIECE_BITS, device=bits.device), (1 << _PIECE_BITS) - 1
-    return torch.cat([(bits >> shifts[:32 // _PIECE_BITS]) & mask, (total >> shifts) & mask])
-
-
-def _tensor_sums(tensors: list) -> torch.Tensor:
-    """Per tensor: :func:`_bits_sum`, as int64 (for the weighted sum that follows)."""
-    return torch.stack([_bits_sum(t) for t in tensors]).to(torch.int64)
-
 
 class ConsistencyDetector(Detector):
     """Data-parallel replicas compared bit-exactly each checked step (kind ``rank_mismatch``)."""
@@ -101,6 +62,7 @@ class ConsistencyDetector(Detector):
         self._mode = "grads"
         self._weights: dict = {}
         self._fp: Optional[torch.Tensor] = None  # this check's [sum of squares, checksum low, high]
+        self._square = self._total = None  # its parts (Optional[torch.Tensor]), made each check
         self._count = 0  # tensors fingerprinted (before sampling)
         # Sum of squares at the last accepted check, per share of the tensors it covered (with
         # params sampled, checks of different shares are not comparable): kept on the device.
@@ -134,7 +96,7 @@ class ConsistencyDetector(Detector):
     def local(self, ctx: CheckContext, out: torch.Tensor) -> None:
         self._checks += 1
         self._active = self._rotation.due(self._checks) and collectives.world_size() > 1
-        self._found, self._mine, self._fp = None, {}, None
+        self._found, self._mine, self._fp, self._square, self._total = None, {}, None, None, None
         self._to_exchange = False
         if not self._active:
             return
@@ -148,21 +110,22 @@ class ConsistencyDetector(Detector):
             tensors = [tensors[i] for i in sample]
             if self._mode == "params":  # the norms were not read: take them over the share only
                 norms = torch.stack(torch._foreach_norm([t.detach() for t in tensors]))
-        square = norms.float().square().sum() if tensors else torch.zeros((), device=ctx.device)
+        square = (norms if norms.dtype == torch.float32 else norms.float()).square().sum() if tensors \
+            else torch.zeros((), device=ctx.device)
         # One bit pattern for NaN: a group's pieces then sum to 0 exactly when the fingerprints
         # compare equal (_comparable), so the verdict can rest on the reduced vector alone.
-        square = torch.where(torch.isnan(square), torch.full_like(square, math.nan), square)
-        if not tensors:
-            total = torch.zeros((), dtype=torch.int64, device=ctx.device)
-        else:
-            weights = self._odd_weights(self._count, ctx.device)
-            if sample is not None:
-                weights = weights[torch.tensor(sample, device=ctx.device)]
-            total = (_tensor_sums(tensors) * weights.to(ctx.device)).sum()  # exact in int64
-        bits = square.reshape(1).view(torch.int32).to(torch.int64)[0]
-        self._fp = torch.stack([square, (total & _MASK24).float().to(square.device),
-                                ((total >> 24) & _MASK24).float().to(square.device)])
-        out.copy_(_pieces(bits, total.to(bits.device)).float().to(out.device) * self._weight(key, ranks))
+        square = torch.where(square.isnan(), math.nan, square)
+        total = ((_tensor_sums(tensors) * self._odd_weights(self._count, sample, ctx.device)).sum() if tensors  # int64
+                 else torch.zeros((), dtype=torch.int64, device=ctx.device))
+        bits = square.view(torch.int32).to(torch.int64)
+        self._square, self._total = square, total
+        torch.mul(_pieces(bits, total), self._weight(key, ranks), out=out)
+
+    def fingerprint(self) -> torch.Tensor:
+        """[sum of squares, checksum's low 24 bits, high 24] on the device, made when first read (slow path)."""
+        if self._fp is None and self._square is not None:
+            self._fp = torch.stack([self._square, *((self._total >> s) & _MASK24 for s in (0, 24))]).float()
+        return self._fp
 
     def _weight(self, key: int, ranks: list) -> float:
         """This rank's factor in its group's zero-sum: ``n - 1`` for the lowest rank, -1 for the
@@ -239,10 +202,13 @@ class ConsistencyDetector(Detector):
             return None
         return [i for i in range(size) if self._rotation.covers(i, self._checks)] or [0]
 
-    def _odd_weights(self, size: int, device: torch.device) -> torch.Tensor:
-        if (size, device) not in self._weights:
-            self._weights[(size, device)] = torch.arange(size, dtype=torch.int64, device=device) * 2 + 1
-        return self._weights[(size, device)]
+    def _odd_weights(self, size: int, sample: Optional[list], device: torch.device) -> torch.Tensor:
+        """The odd weight of each tensor checksummed (of ``sample``, else all ``size``), made once per share."""
+        key = (size, tuple(sample) if sample is not None else None, device)
+        if key not in self._weights:
+            rows = torch.tensor(sample if sample is not None else range(size), dtype=torch.int64, device=device)
+            self._weights[key] = rows * 2 + 1
+        return self._weights[key]
 
     # --- host ------------------------------------------------------------------------
 
@@ -257,7 +223,7 @@ class ConsistencyDetector(Detector):
         disagreeing group's suspects and the tensors that differ."""
         self._to_exchange = False
         key, _, _ = self._dp_group()
-        mine = {"rank": collectives.rank(), "key": key, "fp": tuple(self._fp.tolist()),
+        mine = {"rank": collectives.rank(), "key": key, "fp": tuple(self.fingerprint().tolist()),
                 "last_good": _finite_or_none(self._last_good.get(self._share()))}
         world = [None] * collectives.world_size()
         torch.distributed.all_gather_object(world, mine)
@@ -352,14 +318,14 @@ class ConsistencyDetector(Detector):
     def commit(self, ctx: CheckContext, accepted: bool) -> None:
         """An accepted check's sum of squares becomes the group's reference (kept on the device:
         a quiet check reads nothing)."""
-        if not (self._active and accepted and self._fp is not None):
+        if not (self._active and accepted and self._square is not None):
             return
-        current = self._fp[0].detach()
+        current = self._square
         if self._found is not None:  # slow path: a suspected replica keeps the old reference
             if collectives.rank() in {r for g in self._found.values() for r in g["suspected"]}:
                 return
         share = self._share()
-        previous = self._last_good[share].to(current.device) if share in self._last_good else current
+        previous = self._last_good.get(share, current)  # on the device the check ran on
         self._last_good[share] = torch.where(torch.isfinite(current), current, previous)
 
     # --- state -----------------------------------------------------------------------

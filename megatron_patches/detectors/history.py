@@ -63,14 +63,17 @@ class Judged:
     valid: Any
     z: Any
     zflag: Any
-    dflag: Any
+    dflag: Any  # None, as run, for per-tensor series (no growth rule: their run stays 0)
     run: Any
+    dev: Any = None  # logn - mean, the floored sd, warm: what update() would compute again
+    sd: Any = None
+    warmed: Any = None
 
 
 class _Stats:
     """Moving statistics of log-norms for a vector of series: torch tensors on the device for
     the parameters, numpy arrays on the host for the layers and the total (no tensor, no sync).
-    Both run the same code: only operations torch and numpy spell alike are used."""
+    Both run the same code (ops torch and numpy spell alike), each op once over the whole vector."""
 
     FIELDS = ("mean", "var", "count", "last", "run")
 
@@ -108,7 +111,8 @@ class _Stats:
         valid = valid & xp.isfinite(values) & (values > 0)
         warmed = self.count >= cfg.warmup_steps
         dev = logn - self.mean
-        z = dev / xp.clip(xp.sqrt(self.var), _MIN_SD, None)
+        sd = xp.clip(xp.sqrt(self.var), _MIN_SD, None)
+        z = dev / sd
         floor = math.log(cfg.min_ratio if min_ratio is None else min_ratio)
         zflag = valid & warmed & (z > cfg.zscore) & (dev > floor)
         if drift:
@@ -116,20 +120,20 @@ class _Stats:
             run = xp.where(grow, self.run + 1, xp.zeros_like(self.run))
             dflag = valid & warmed & (run >= cfg.drift_steps)
         else:  # per-tensor series: no growth rule (see the module docstring)
-            run, dflag = xp.zeros_like(self.run), valid & False
-        return Judged(logn, valid, z, zflag, dflag, run)
+            run, dflag = None, None
+        return Judged(logn, valid, z, zflag, dflag, run, dev, sd, warmed)
 
     def update(self, j: Judged, cfg: Any) -> None:
         xp = self.xp
-        alpha = xp.clip(1.0 / (self.count + 1), 1.0 - cfg.ema_beta, None)
-        dev = j.logn - self.mean
-        limit = _CLIP * xp.clip(xp.sqrt(self.var), _MIN_SD, None)
-        dev = xp.where(self.count >= cfg.warmup_steps, xp.maximum(xp.minimum(dev, limit), -limit), dev)
-        self.mean = xp.where(j.valid, self.mean + alpha * dev, self.mean)
-        self.var = xp.where(j.valid, (1.0 - alpha) * (self.var + alpha * dev * dev), self.var)
-        self.count = self.count + xp.where(j.valid, 1.0, 0.0)
+        alpha = xp.clip(1.0 / (counted := self.count + 1), 1.0 - cfg.ema_beta, None)
+        limit = _CLIP * j.sd  # > 0: once warm, the deviation is held within +-limit
+        dev = xp.where(j.warmed, xp.clip(j.dev, -limit, limit), j.dev)
+        step = alpha * dev  # (alpha * dev) * dev below is the variance's alpha * dev * dev, op for op
+        self.mean = xp.where(j.valid, self.mean + step, self.mean)
+        self.var = xp.where(j.valid, (1.0 - alpha) * (self.var + step * dev), self.var)
+        self.count = xp.where(j.valid, counted, self.count)
         self.last = xp.where(j.valid, j.logn, self.last)
-        self.run = xp.where(j.valid, j.run, self.run)
+        self.run = xp.where(j.valid, 0.0 if j.run is None else j.run, self.run)
 
 
 class ParamSeries:
@@ -208,9 +212,11 @@ class HistoryDetector(Detector):
         stats = self._series.rows(ctx)
         # Parameters are judged by z-score only: per-tensor norms (biases, norms) are too noisy
         # for a per-step growth rule; a growth that matters shows in its layer's norm.
-        mask = self._sample_mask(len(ctx.entries), ctx.device) & self._series.judged
+        mask = self._series.judged
+        if self._rotation.period > 1:
+            mask = self._sample_mask(len(ctx.entries), ctx.device) & mask
         judged = self._judged["params"] = stats.judge(shares(ctx.norms), mask, self.cfg, drift=False)
-        out[_Z] = judged.zflag.sum()
+        torch.sum(judged.zflag, dim=0, keepdim=True, dtype=torch.float32, out=out)  # the one slot, _Z
 
     def verdict(self, ctx: CheckContext, reduced: list) -> list:
         if not self._active:
@@ -228,7 +234,7 @@ class HistoryDetector(Detector):
         kinds = []
         if self._param_flags > 0 or any(bool(j.zflag.any()) for k, j in self._judged.items() if k != "params"):
             kinds.append("zscore")
-        if any(bool(j.dflag.any()) for k, j in self._judged.items() if k != "params"):
+        if any(bool(j.dflag.any()) for k, j in self._judged.items() if j.dflag is not None):
             kinds.append("drift")
         return kinds
 
@@ -383,9 +389,10 @@ def shares(norms: Any) -> Any:
     norms count in no one's rest; a zero norm gives a zero share (judged invalid)."""
     if isinstance(norms, torch.Tensor):
         wide = norms.double()
-        squares = torch.where(torch.isfinite(wide), wide * wide, torch.zeros_like(wide))
+        # A float32 norm squares to a finite double: NaN and +inf squares are the non-finite norms.
+        squares = torch.nan_to_num(wide.square(), nan=0.0, posinf=0.0)
         rest = torch.maximum(squares.sum() - squares, 1e-16 * squares)
-        return torch.where(rest > 0, wide / rest.sqrt(), torch.zeros_like(wide)).float()
+        return torch.where(rest > 0, wide / rest.sqrt(), 0.0).float()
     wide = np.asarray(norms, dtype=np.float64)
     squares = np.where(np.isfinite(wide), wide * wide, 0.0)
     rest = np.maximum(squares.sum() - squares, 1e-16 * squares)

@@ -89,7 +89,7 @@ class PeersDetector(Detector):
         self._active = False
         self._layout: Optional[tuple] = None
         self._index: Optional[torch.Tensor] = None
-        self._weights: Optional[torch.Tensor] = None
+        self._head: Optional[torch.Tensor] = None  # the head's slots, fixed for a layout
         self._roles: list[str] = []
         self._model_roles: Optional[list] = None  # from the model chunks, once
         self._hash = 0.0
@@ -126,16 +126,11 @@ class PeersDetector(Detector):
         self._flags, self._tripped, self._last = set(), [], None
         if not self._active or ctx.norms is None:
             return
-        index, weights = self._slots(ctx)
-        if self._roles:
-            out[_LAYERED] = 1.0
-            out[_HASH] = self._hash
-            out[_HASH_SQ] = self._hash * self._hash
-            out[_ROLES] = float(len(self._roles))
-        if self._over:
-            out[_OVER] = 1.0
-            return
-        out[_HEAD:].index_add_(0, index, ctx.norms.square() * weights)
+        index, head = self._slots(ctx)
+        out[:_HEAD] = head
+        if not self._over:
+            # The check's weighted squares (each norm squared times Entry.weight), into their slots.
+            out.index_add_(0, index, ctx.squares)
 
     def verdict(self, ctx: CheckContext, reduced: list) -> list:
         if not self._active:
@@ -219,6 +214,7 @@ class PeersDetector(Detector):
     # --- helpers ---------------------------------------------------------------------
 
     def _slots(self, ctx: CheckContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each tensor's slot in this detector's piece, the head's values), made once per layout."""
         layout = tuple(map(id, ctx.entries))
         if layout != self._layout:
             roles = sorted({role_of(e.info.name) for e in ctx.entries if e.info.layer is not None})
@@ -237,10 +233,16 @@ class PeersDetector(Detector):
             # 8 bits: the sums of h and h^2 stay exact in fp32 up to 256 ranks (a mismatch among
             # more may go unnoticed; the decision is still the same on every rank).
             self._hash = float(zlib.crc32("\n".join(roles).encode()) % 256 + 1) if roles else 0.0
-            self._index = torch.tensor([0 if self._over else i for i in index], dtype=torch.long, device=ctx.device)
-            self._weights = torch.tensor([e.weight for e in ctx.entries], dtype=torch.float32, device=ctx.device)
+            self._index = torch.tensor([_HEAD + (0 if self._over else i) for i in index], dtype=torch.long,
+                                       device=ctx.device)
+            head = [0.0] * _HEAD
+            if roles:
+                head[_LAYERED], head[_HASH], head[_ROLES] = 1.0, self._hash, float(len(roles))
+                head[_HASH_SQ] = self._hash * self._hash
+            head[_OVER] = 1.0 if self._over else 0.0
+            self._head = torch.tensor(head, dtype=torch.float32, device=ctx.device)
             self._layout = layout
-        return self._index, self._weights
+        return self._index, self._head
 
     def _peerless_names(self, slot: int) -> str:
         names = sorted(getattr(self, "_names", {}).get(slot, ()))

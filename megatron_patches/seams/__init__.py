@@ -52,7 +52,7 @@ class MegatronSeams:
         self.kernel_calls = megatron_norm.KernelCalls()
         """Megatron's norm-kernel calls made at the check, until its own call takes them."""
 
-    def megatron_norms(self, optimizer: Any) -> dict:
+    def megatron_norms(self, optimizer: Any) -> list:
         return self.kernel_calls.prepare(optimizer)
 
     def model_chunks(self) -> ModelChunks:

@@ -26,8 +26,10 @@ Only this module knows Megatron-LM's arguments and classes; the chain's steps ar
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import logging
+import sys
 import time
 from dataclasses import replace
 from typing import Any, Callable, NoReturn, Optional
@@ -118,6 +120,7 @@ class InProcessRollback(Callback):
         self._call: Optional[tuple] = None
         """(train_step, its bound arguments) of the call that brought the decision."""
         self._result: Any = None
+        self._iterations = 0  # train_step calls seen (for the snapshots' cost line at exit)
         self.applied_scale = self.restart.ledger.lr_scale
         """The learning-rate scale the live param groups and scheduler carry."""
         self._expected_bytes: Optional[int] = None
@@ -180,6 +183,7 @@ class InProcessRollback(Callback):
         decision acted on (a rollback returns the redone iteration's result for ``train()``)."""
         for tape in self._tapes or ():
             tape.iteration = None
+        self._iterations += 1
         decision = self.monitor.take_decision()
         if decision is None or decision.action not in (Action.ROLLBACK, Action.STOP):
             if not _skipped(result):
@@ -207,6 +211,9 @@ class InProcessRollback(Callback):
         first = not self.store.snapshots and not self.store.skipped
         taken = self.store.take(iteration, live_tensors(model, optimizer),
                                 small_values(optimizer, scheduler, self.monitor, self.ledger.lr_scale))
+        if taken is not None and first and self.monitor.rank == 0:  # rank 0 says what the copies cost, at exit
+            atexit.register(lambda: print(f"[megatron_patches] {self.store.cost_line(self._iterations, 0)}",
+                                          file=sys.stderr, flush=True))
         if taken is not None and first:
             log.debug("in-memory snapshot of step %d: %.3f MiB on this rank", iteration, taken.nbytes / 2**20)
             if self._expected_bytes is not None and taken.nbytes > self._expected_bytes:

@@ -44,7 +44,6 @@ def key(tensor: torch.Tensor) -> tuple:
 class _Call:
     """One kernel call the guard made for Megatron, waiting to be served once."""
 
-    keys: tuple
     versions: tuple
     grads: tuple
     """Weak references: nothing is kept alive by waiting here."""
@@ -57,30 +56,30 @@ class KernelCalls:
     def __init__(self) -> None:
         self.waiting: list[_Call] = []
 
-    def prepare(self, optimizer: Any) -> dict:
+    def prepare(self, optimizer: Any) -> list:
         """Call the kernel over each list Megatron's clipping norm will read for ``optimizer``;
-        returns {key: that tensor's norm} (0-dim tensors on the device). Empty where Megatron's
-        kernel or lists cannot be had: the check then reads the gradients itself."""
+        returns ``[(that list of gradients, their norms as one vector on the device)]``, one per
+        call that gave per-tensor norms. Empty where Megatron's kernel or lists cannot be had: the
+        check then reads the gradients itself. No Python loop over the tensors touches torch: the
+        kernel's per-tensor vector is kept whole (the local fallback's norms, one ``stack``)."""
         self.waiting = []
         kernel = _kernel()
         lists = norm_lists(optimizer) if kernel is not None else []
-        norms: dict = {}
+        out: list = []
         for grads in lists:
             applier, l2 = kernel
             found = _TensorNorms(grads)
             with found:
                 result = applier(l2, torch.zeros(1, dtype=torch.int, device=grads[0].device), [grads], True)
             per_tensor = result[1] if isinstance(result, tuple) and torch.is_tensor(result[1]) else None
-            keys = tuple(key(g) for g in grads)
             if per_tensor is not None and per_tensor.numel() == len(grads):
-                norms.update(zip(keys, per_tensor.unbind()))
+                out.append((grads, per_tensor))
             elif len(found.norms) == len(grads):
-                norms.update(zip(keys, found.norms))
+                out.append((grads, torch.stack(found.norms)))
             else:  # a kernel that gave neither: its total is still Megatron's, the check reads these itself
                 pass
-            self.waiting.append(_Call(keys, tuple(g._version for g in grads),
-                                      tuple(weakref.ref(g) for g in grads), result))
-        return norms
+            self.waiting.append(_Call(tuple(g._version for g in grads), tuple(weakref.ref(g) for g in grads), result))
+        return out
 
     def serve(self, grads: list) -> Optional[Any]:
         """The kept result for Megatron's call over ``grads``, or None (Megatron computes it)."""
@@ -92,10 +91,11 @@ class KernelCalls:
             if any(h is None for h in held):
                 continue
             # The very tensor objects the check passed (the usual case) are the same memory; any
-            # other objects are compared by what memory they view.
+            # other objects are compared by what memory they view (the held ones' now: their
+            # versions are unchanged since the check).
             if not all(h is g for h, g in zip(held, grads)):
                 keys = keys or tuple(key(g) for g in grads)
-                if call.keys != keys:
+                if tuple(key(h) for h in held) != keys:
                     continue
             self.waiting.remove(call)
             return call.result
