@@ -79,11 +79,11 @@ FULL_DETECTORS = {"audit": {"enabled": True}, "peak": {"enabled": True}, "activa
 INPUT_RANK = {"pp2": 0}
 """Where an input fault is bound when not to the layout's own rank: under PP2 the embedding is on
 the first stage."""
-QUICK = (("1rank", "grad", "element", "nan"), ("1rank", "exp_avg_sq", "element", "inf"),
+QUICK = (("1rank", "grad", "element", "nan"), ("1rank", "param", "element", "nan"), ("1rank", "exp_avg_sq", "element", "inf"),
          ("1rank", "param", "all", "bitflip:mantissa_low"), ("dp2", "exp_avg", "all", "scale:x1000"),
          ("dp2", "exp_avg_sq", "all", "inf"))
 """The CI campaign's cells (layout, target, scope, kind), one seed each: faults that harm (a NaN
-gradient, an Inf second moment, issue 55's two DP2 cells: rank 0's momentum x1000 and its second
+gradient: a skipped step; a NaN weight: a rollback; an Inf second moment, issue 55's two DP2 cells: rank 0's momentum x1000 and its second
 moment set to Inf) and one that should not (one ulp of every weight of the parameter)."""
 
 

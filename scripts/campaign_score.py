@@ -14,8 +14,8 @@ Per cell (one fault, one seed), from branches of one clean warm-up:
   fault the faulted module, for an input fault the embedding the ids were fed to; never the
   parameter's module or layer) AND reports exactly the rank set the fault was bound to.
 - **recovered**: the guarded branch finished with no non-finite value in its state and its state
-  is bit-equal to the clean twin that skipped the same iterations (``lr_factor: 1``); where the
-  guard left samples out (a blacklist changes the data, so no clean twin holds it) or changed the
+  is bit-equal to the clean twin that skipped the same iterations and, where the guard rolled back
+  and left samples out, was fed the same samples (``lr_factor: 1``); where the guard changed the
   learning rate, within the band of the clean twin instead.
 - **false positives**: incidents in fault-free control runs (``false_positives_clean``), and,
   kept apart, incidents after a fault's detection window outside its episode.
@@ -96,13 +96,13 @@ def recovered(measure: dict, band: dict) -> tuple[bool, str]:
         return False, f"stopped: {measure['stopped'] or 'did not finish'}"
     if measure["nonfinite_end"]:
         return False, f"{measure['nonfinite_end']} non-finite values left in the state"
-    if measure["blacklisted"] or not measure["lr_factor_one"]:
+    if not measure["lr_factor_one"]:
         near = (measure["twin_distance"] is not None and measure["twin_distance"] <= band["weight"]
                 and measure["twin_loss_delta"] is not None and measure["twin_loss_delta"] <= band["loss"])
         return near, "within the band of the clean twin" if near else "outside the band of the clean twin"
     if measure["twin_equal"]:
-        return True, "bit-equal to the clean twin that skipped the same iterations"
-    return False, "differs from the clean twin that skipped the same iterations"
+        return True, "bit-equal to the clean twin of the same iterations and samples"
+    return False, "differs from the clean twin of the same iterations and samples"
 
 
 def episode(window: list[dict], incidents: list[dict]) -> set[int]:

@@ -108,7 +108,7 @@ class Layout:
         self.workdir = workdir / layout
         self.configs = configs()
         self.snapshots: dict = {}
-        self.twins: dict = {}  # (config, skipped steps) -> (dumps, end loss)
+        self.twins: dict = {}  # (config, skipped steps, samples left out) -> (dumps, end loss)
         self.count = 0
 
     def _run(self, out: Path, config: str, *args: str) -> tuple[int, str]:
@@ -166,15 +166,20 @@ class Layout:
         return {"finished": finished, "stopped": stopped, "dumps": dumps, "loss": end_loss(losses),
                 "nonfinite_max": max(nonfinite.values(), default=0), "nonfinite_end": nonfinite.get(cc.END, 0),
                 "skipped": sorted(s for s, v in (dumps[0]["skipped"] if dumps else {}).items() if v),
-                "incidents": incidents, "blacklisted": any(r.get("blacklisted") for r in incidents),
-                "lr_factor_one": True}
+                "incidents": incidents, "lr_factor_one": True,
+                # A rollback goes to the snapshot, so the redo left the blacklisted samples out from its start.
+                "left_out": sorted({i for r in incidents for i in r.get("blacklisted") or ()})
+                if any(r.get("rolled_back_to") is not None for r in incidents) else []}
 
-    def twin(self, config: str, skipped: tuple) -> tuple:
-        """The clean twin of ``config`` that skipped the iterations ``skipped`` (made once)."""
-        key = (config, tuple(skipped))
+    def twin(self, config: str, skipped: tuple, left_out: tuple = ()) -> tuple:
+        """The clean twin of ``config`` that skipped the iterations ``skipped`` and was never fed the
+        samples ``left_out`` (made once)."""
+        key = (config, tuple(skipped), tuple(left_out))
         if key not in self.twins:
-            name = f"twin-{config}-" + ("-".join(map(str, skipped)) or "clean")
-            m = self.branch(name, config, *(("--branch-skip", ",".join(map(str, skipped))) if skipped else ()))
+            name = f"twin-{config}-{len(self.twins)}"
+            args = [*(("--branch-skip", ",".join(map(str, skipped))) if skipped else ()),
+                    *(("--branch-blacklist", ",".join(map(str, left_out))) if left_out else ())]
+            m = self.branch(name, config, *args)
             if not m["finished"] or m["dumps"] is None or m["nonfinite_max"]:
                 raise RuntimeError(f"the clean twin {name} of {self.layout} did not end whole: {m['stopped']}")
             self.twins[key] = (m["dumps"], m["loss"])
@@ -210,11 +215,11 @@ class Layout:
         for config in cc.CONFIGS:
             m = self.branch(f"{name}-{config}", config, "--inject", cell.spec())
             if m["dumps"] is not None:
-                twin = self.against(m, *self.twin(config, tuple(m["skipped"])))
+                twin = self.against(m, *self.twin(config, tuple(m["skipped"]), tuple(m["left_out"])))
                 m.update(twin_equal=twin["equal"], twin_distance=twin["distance"], twin_loss_delta=twin["loss_delta"])
             else:
                 m.update(twin_equal=False, twin_distance=None, twin_loss_delta=None)
-            row[config] = score.score(cell, m, self.band)
+            row[config] = {**score.score(cell, m, self.band), "left_out": m["left_out"]}
             shutil.rmtree(self.workdir / f"{name}-{config}", ignore_errors=True)
         shutil.rmtree(self.workdir / f"{name}-observer", ignore_errors=True)
         return row
@@ -257,7 +262,7 @@ def campaign(cells: list, workdir: Path, controls: int, budget: float = math.inf
     (the meta says how many ran); its controls run all the same."""
     from importlib.metadata import version
 
-    rows, clean, layouts = [], [], {}
+    rows, clean, layouts, code = [], [], {}, commit()  # the code that runs, before anything is written
     for name in dict.fromkeys(c.layout for c in cells):
         started = time.time()
         layout = Layout(name, workdir, timeout, nudges)
@@ -269,6 +274,8 @@ def campaign(cells: list, workdir: Path, controls: int, budget: float = math.inf
                 break
             row = layout.cell(cell)
             rows.append(row)
+            with open(workdir / "rows.partial.jsonl", "a", encoding="utf-8") as partial:  # kept if the run dies
+                partial.write(json.dumps(row) + "\n")
             done += 1
             progress(f"[campaign] {row['key']:<48} harmful {row['harmful']!s:<5} " + " ".join(
                 f"{c}: {'L' if row[c]['localized'] else 'd' if row[c]['detected'] else '-'}"
@@ -279,7 +286,7 @@ def campaign(cells: list, workdir: Path, controls: int, budget: float = math.inf
                          "seconds": round(time.time() - started), "seconds_without_controls": round(cells_seconds),
                          "band": layout.band, "warmups_bit_equal": layout.warmups_equal,
                          "guarded_clean_twin_bit_equal_to_unguarded": layout.guard_equal}
-    meta = {**commit(), "layouts": layouts, "megatron_core": version("megatron-core"), "cpus": os.cpu_count(),
+    meta = {**code, "layouts": layouts, "megatron_core": version("megatron-core"), "cpus": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d", time.gmtime()), "warmup": cc.WARMUP, "fault_step": cc.FAULT_STEP,
             "after": cc.AFTER, "seeds": sorted({c.seed for c in cells}), "nudges": list(nudges),
             "controls_per_data_kind": controls, "loss_steps": LOSS_STEPS, "guard": GUARD}

@@ -32,7 +32,7 @@ def _record(name=cc.PARAM, ranks=(0,), module=None, step=cc.FAULT_STEP):
 
 
 def _measure(**changes):
-    m = {"finished": True, "stopped": None, "nonfinite_end": 0, "nonfinite_max": 0, "blacklisted": False,
+    m = {"finished": True, "stopped": None, "nonfinite_end": 0, "nonfinite_max": 0,
          "lr_factor_one": True, "twin_equal": True, "twin_distance": 0.0, "twin_loss_delta": 0.0,
          "incidents": [], "skipped": [], "loss_delta": 0.0, "distance": 0.0}
     return {**m, **changes}
@@ -57,9 +57,11 @@ def test_a_finished_run_still_carrying_an_inf_or_off_its_twin_is_not_recovered()
     assert not ok and "non-finite" in why
     assert not cs.recovered(_measure(twin_equal=False, twin_distance=0.0), BAND)[0]  # a frozen weight
     assert not cs.recovered(_measure(finished=False, stopped="exit 85 at step 30"), BAND)[0]
-    # Samples left out: no twin holds that data, the band decides.
-    assert cs.recovered(_measure(blacklisted=True, twin_equal=False, twin_distance=5e-3, twin_loss_delta=5e-5), BAND)[0]
-    assert not cs.recovered(_measure(blacklisted=True, twin_equal=False, twin_distance=0.1, twin_loss_delta=0), BAND)[0]
+    # A learning rate the guard changed: no twin holds it, the band decides.
+    assert cs.recovered(_measure(lr_factor_one=False, twin_equal=False, twin_distance=5e-3, twin_loss_delta=5e-5),
+                        BAND)[0]
+    assert not cs.recovered(_measure(lr_factor_one=False, twin_equal=False, twin_distance=0.1, twin_loss_delta=0),
+                            BAND)[0]
 
 
 def test_harm_is_a_non_finite_state_a_stop_or_a_distance_beyond_the_band():
@@ -137,7 +139,7 @@ def test_the_quick_campaign_scores_what_its_file_says(tmp_path):
     assert (totals["dp2/defaults"]["harmful"], totals["dp2/defaults"]["localized"]) == (2, 0)
     assert (totals["dp2/full"]["localized"], totals["dp2/full"]["recovered"]) == (2, 2)
     # A harmless cell (one ulp of every weight of the parameter) is outside every denominator.
-    assert totals["1rank/defaults"]["harmless"] == 1 and totals["1rank/defaults"]["harmful"] == 2
+    assert totals["1rank/defaults"]["harmless"] == 1 and totals["1rank/defaults"]["harmful"] == 3
     assert all(m["warmups_bit_equal"] and all(m["guarded_clean_twin_bit_equal_to_unguarded"].values())
                for m in tail["meta"]["layouts"].values())
 

@@ -8,7 +8,8 @@ state; the same directory is the branch's rollback target (the guard's in-proces
 it through the marker and :meth:`TinyTrainer.load_checkpoint` hands it here). A branch can move
 every weight by one unit in the last place first (``--branch-nudge``: the harmless perturbation
 that measures the band of a layout), leave some steps without an update (``--branch-skip``: the
-clean twin of a run whose guard skipped them), and write its state at the end
+clean twin of a run whose guard skipped them) or some samples out (``--branch-blacklist``: the twin
+of a run whose guard rolled back to the snapshot and left them out), and write its state at the end
 (``--branch-dump``): what the campaign compares with a clean twin, and per step the count of
 non-finite values in that state.
 """
@@ -161,8 +162,3 @@ class Probe:
         if trainer.rank == 0:
             with open(os.path.join(out, "branch.json"), "w", encoding="utf-8") as handle:
                 json.dump({"skipped": sorted(s for s, v in self.skipped.items() if v)}, handle)
-
-
-def parse_skip(text: str) -> frozenset:
-    """``--branch-skip``: comma-separated steps (empty: none)."""
-    return frozenset(int(s) for s in text.split(",") if s.strip())

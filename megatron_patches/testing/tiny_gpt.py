@@ -89,6 +89,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="with --branch-from: move every weight by one unit in the last place (up, down, seed:N)")
     p.add_argument("--branch-skip", default="", metavar="STEPS",
                    help="comma-separated steps trained without an update (the twin of a run that skipped them)")
+    p.add_argument("--branch-blacklist", default="", metavar="SAMPLES",
+                   help="comma-separated samples never fed (the twin of a run that rolled back and left them out)")
     p.add_argument("--branch-dump", action="store_true",
                    help="write the training state at the end and non-finite counts per step (testing/branch.py)")
     args = p.parse_args(argv)
@@ -109,10 +111,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.branch_nudge and not (args.branch_from and (args.branch_nudge in ("up", "down")
                                                         or args.branch_nudge.startswith("seed:"))):
         raise UserError(f"--branch-nudge must be up, down or seed:N, with --branch-from, got {args.branch_nudge!r}")
-    try:
-        args.branch_skip = frozenset(int(s) for s in args.branch_skip.split(",") if s.strip())
-    except ValueError:
-        raise UserError(f"--branch-skip must be comma-separated steps, got {args.branch_skip!r}") from None
+    for name in ("branch_skip", "branch_blacklist"):
+        try:
+            setattr(args, name, frozenset(int(s) for s in getattr(args, name).split(",") if s.strip()))
+        except ValueError:
+            raise UserError(f"--{name.replace('_', '-')} must be comma-separated integers, "
+                            f"got {getattr(args, name)!r}") from None
     if not 0.0 <= args.dropout < 1.0:
         raise UserError(f"--dropout must be in [0, 1), got {args.dropout}")
     for name in ("initial_loss_scale", "loss_scale"):

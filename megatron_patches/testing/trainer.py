@@ -234,6 +234,8 @@ class TinyTrainer:
             step = branch.load(self, a.branch_from) + 1
             if a.branch_nudge:
                 branch.nudge(self, a.branch_nudge)
+            if a.branch_blacklist:
+                self.set_blacklist(sorted(a.branch_blacklist))
         elif a.resume:
             step = self._resume()
         elif a.save_interval and not a.distributed_optimizer and not a.save_from:
