@@ -161,3 +161,16 @@ def test_the_table_in_reliability_md_is_the_one_generated_from_campaign_jsonl():
     text = (REPO / "docs" / "reliability.md").read_text()
     section = text.split(fc.BEGIN, 1)[1].split(fc.END, 1)[0]
     assert section == "\n" + fc.markdown(rows, tail), "the table is stale: run scripts/fault_campaign.py --write-docs"
+
+
+@pytest.mark.parametrize("argv, named", [(["--branch-nudge", "sideways", "--branch-from", "x"], "'sideways'"),
+                                         (["--branch-nudge", "up"], "with --branch-from"),
+                                         (["--branch-skip", "26,x"], "'26,x'"),
+                                         (["--branch-blacklist", "a"], "'a'")])
+def test_a_wrong_branch_flag_is_one_line_naming_the_value(argv, named):
+    from megatron_patches.errors import UserError
+    from megatron_patches.testing.tiny_gpt import parse_args
+
+    with pytest.raises(UserError, match=named):
+        parse_args(argv)
+    assert parse_args(["--branch-skip", "26, 27", "--branch-blacklist", "3"]).branch_skip == frozenset({26, 27})

@@ -22,6 +22,8 @@ from typing import Any, Iterator
 
 import torch
 
+from ..errors import UserError
+
 FILE = "branch_rank{rank}.pt"
 DUMP = "branch_state_rank{rank}.pt"
 NUDGES = ("up", "down")
@@ -162,3 +164,32 @@ class Probe:
         if trainer.rank == 0:
             with open(os.path.join(out, "branch.json"), "w", encoding="utf-8") as handle:
                 json.dump({"skipped": sorted(s for s, v in self.skipped.items() if v)}, handle)
+
+
+def add_arguments(p: Any) -> None:
+    """The harness's branch flags (``python -m megatron_patches.tiny_gpt``)."""
+    p.add_argument("--branch-snapshot-at", type=int, default=0, metavar="STEP",
+                   help="save the whole training state after STEP for branches (testing/branch.py; 0: never)")
+    p.add_argument("--branch-from", metavar="DIR", help="start from a --branch-snapshot-at directory")
+    p.add_argument("--branch-nudge", metavar="MODE",
+                   help="with --branch-from: move every weight by one unit in the last place (up, down, seed:N)")
+    p.add_argument("--branch-skip", default="", metavar="STEPS",
+                   help="comma-separated steps trained without an update (the twin of a run that skipped them)")
+    p.add_argument("--branch-blacklist", default="", metavar="SAMPLES",
+                   help="comma-separated samples never fed (the twin of a run that rolled back and left them out)")
+    p.add_argument("--branch-dump", action="store_true",
+                   help="write the training state at the end and non-finite counts per step (testing/branch.py)")
+
+
+def check_arguments(args: Any) -> None:
+    """One line naming the value and the fix where a branch flag is wrong; the step and sample
+    lists parsed into sets."""
+    if args.branch_nudge and not (args.branch_from and (args.branch_nudge in ("up", "down")
+                                                        or args.branch_nudge.startswith("seed:"))):
+        raise UserError(f"--branch-nudge must be up, down or seed:N, with --branch-from, got {args.branch_nudge!r}")
+    for name in ("branch_skip", "branch_blacklist"):
+        try:
+            setattr(args, name, frozenset(int(s) for s in getattr(args, name).split(",") if s.strip()))
+        except ValueError:
+            raise UserError(f"--{name.replace('_', '-')} must be comma-separated integers, "
+                            f"got {getattr(args, name)!r}") from None

@@ -82,18 +82,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="write loss, lr, the guard's counters and gradient norms to TensorBoard (rank 0)")
     p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout (default 0)")
     p.add_argument("--no-guard", action="store_true", help="train without megatron_patches (baseline)")
-    p.add_argument("--branch-snapshot-at", type=int, default=0, metavar="STEP",
-                   help="save the whole training state after STEP for branches (testing/branch.py; 0: never)")
-    p.add_argument("--branch-from", metavar="DIR", help="start from a --branch-snapshot-at directory")
-    p.add_argument("--branch-nudge", metavar="MODE",
-                   help="with --branch-from: move every weight by one unit in the last place (up, down, seed:N)")
-    p.add_argument("--branch-skip", default="", metavar="STEPS",
-                   help="comma-separated steps trained without an update (the twin of a run that skipped them)")
-    p.add_argument("--branch-blacklist", default="", metavar="SAMPLES",
-                   help="comma-separated samples never fed (the twin of a run that rolled back and left them out)")
-    p.add_argument("--branch-dump", action="store_true",
-                   help="write the training state at the end and non-finite counts per step (testing/branch.py)")
-    args = p.parse_args(argv)
+    args = _parse_with_branch_flags(p, argv)
     if args.data != "synthetic" and not (args.data.startswith("text:") and len(args.data) > len("text:")):
         raise UserError(f"--data must be synthetic or text:PATH, got {args.data!r}")
     text = args.data.startswith("text:")
@@ -108,15 +97,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.save_interval < 0 or args.save_from < 0:
         raise UserError(f"--save-interval and --save-from must be >= 0, got {args.save_interval}, {args.save_from}")
-    if args.branch_nudge and not (args.branch_from and (args.branch_nudge in ("up", "down")
-                                                        or args.branch_nudge.startswith("seed:"))):
-        raise UserError(f"--branch-nudge must be up, down or seed:N, with --branch-from, got {args.branch_nudge!r}")
-    for name in ("branch_skip", "branch_blacklist"):
-        try:
-            setattr(args, name, frozenset(int(s) for s in getattr(args, name).split(",") if s.strip()))
-        except ValueError:
-            raise UserError(f"--{name.replace('_', '-')} must be comma-separated integers, "
-                            f"got {getattr(args, name)!r}") from None
     if not 0.0 <= args.dropout < 1.0:
         raise UserError(f"--dropout must be in [0, 1), got {args.dropout}")
     for name in ("initial_loss_scale", "loss_scale"):
@@ -129,6 +109,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         raise UserError(f"--vocab ({args.vocab}) must be divisible by --tp ({args.tp})")
     if args.hidden % args.heads:
         raise UserError(f"--hidden ({args.hidden}) must be divisible by --heads ({args.heads})")
+    return args
+
+
+def _parse_with_branch_flags(p: argparse.ArgumentParser, argv: Optional[list[str]]) -> argparse.Namespace:
+    """``p`` with the fault campaign's branch flags (:mod:`.branch`), parsed and checked."""
+    from .branch import add_arguments, check_arguments
+
+    add_arguments(p)
+    args = p.parse_args(argv)
+    check_arguments(args)
     return args
 
 
