@@ -86,13 +86,14 @@ bench: install
 bench-rollback: install
 	$(VPY) scripts/bench_rollback.py --out bench_rollback.json
 
-# The fault campaign (issue 40): every fault kind x scope x target of the drills' menu on one rank,
-# DP2, TP2 and PP2 (the harness), scored strictly; runs/campaign/campaign.json and the table
-# (docs/reliability.md, "Fault campaign"). EP2 and CP2 train through Megatron-LM's loop: add them with
-# PYTHON=python3.12 VENV=.venv312. CAMPAIGN_ARGS=--quick: the CI test's cells;
-# --from-json docs/campaign.json --write-docs: the docs table.
+# The fault campaign scored by harm (issue 55): every fault kind x scope x target x seed of the
+# drills' menu, each a branch of one clean warm-up, on the harness layouts (LAYOUTS, default all:
+# 1rank dp2 tp2 pp2), with the defaults and every detector, plus fault-free controls; writes
+# docs/campaign.jsonl (the code commit in its meta) and the table in docs/reliability.md. Hours on
+# 2 CPU cores: CAMPAIGN_ARGS=--budget-minutes N cuts each layout (the file says which cells ran).
+LAYOUTS ?= 1rank dp2 tp2 pp2
 campaign: install
-	$(VPY) scripts/fault_campaign.py --out runs/campaign $(CAMPAIGN_ARGS)
+	nice -n 10 $(VPY) scripts/fault_campaign.py --layouts $(LAYOUTS) --out runs/campaign $(CAMPAIGN_ARGS)
 
 # The device check (8 minutes at most): nccl, bf16, drills, guard on/off, the bench; results in
 # runs/gpu_check. GPU_CHECK_ARGS=--dry-run runs it on the CPU.

@@ -1,34 +1,30 @@
-"""The fault campaign (issue 40): every fault kind x scope x target of the drills' menu, on one
-rank, DP2 (bf16, distributed optimizer), TP2 and PP2 through the tiny-GPT harness, and EP2 and CP2
-through Megatron-LM's own loop (megatron-core 0.17+, Python 3.12), each with the guard's defaults and
-with every detector on (``+full``: the state audit, gradient peaks and activations as well), scored
-strictly (scripts/campaign_cells.py says how). Writes OUT/campaign.json (or --json) and OUT/campaign.md.
+"""The fault campaign scored by what a fault does to training (issue 55).
 
-    .venv/bin/python scripts/fault_campaign.py --out runs/campaign            # the harness layouts
-    .venv312/bin/python scripts/fault_campaign.py --layouts ep2 cp2 ep2+full cp2+full --out runs/loop
-    .venv/bin/python scripts/fault_campaign.py --quick --out runs/campaign    # one scope per kind
-    .venv/bin/python scripts/fault_campaign.py --from-json docs/campaign.json --write-docs
+    .venv/bin/python scripts/fault_campaign.py --layouts 1rank dp2      # docs/campaign.jsonl
+    .venv/bin/python scripts/fault_campaign.py --quick --out runs/q     # the CI test's cells
+    .venv/bin/python scripts/fault_campaign.py --write-docs             # the table from the file
 
-One training carries many cells: a fault every GAP steps after a warm-up, each followed by clean
-control steps; where a fault lasts (weights, optimizer state) a checkpoint before every other fault
-(the harness) or the loop's in-memory snapshots are the rollback target. A run that stops early is
-not retried for the cell it stopped in (scored not recovered); the cells after it go to a fresh
-run. A cell after the first whose training shows what its fault should not make is trained again
-alone (:func:`alone`). The ranks are forked from this process as
-the tests fork them (tests/conftest.py), so a run costs its steps, not a start-up. Progress: one
-line per cell.
-
-The guard runs at its defaults except where one fault would change how the next is judged: the
-escalation of recurring incidents, the rollback cap and the learning-rate cut are turned off,
-and scenes are not written (speed); detection and naming are the shipped ones.
+Per layout: one clean warm-up per configuration (the guard observing nothing, its defaults, every
+detector on), each saved as a snapshot after ``cc.WARMUP`` steps (megatron_patches/testing/branch.py).
+Every branch starts from such a snapshot, so no cell inherits another's fault: the clean twin,
+the band (the clean twin with every weight moved by one ulp), and per cell and seed one unguarded
+twin (drill fired, nothing observed) that measures the harm and serves both configurations, then
+one guarded branch per configuration. A guarded branch is compared with the clean twin that skipped
+the iterations its guard skipped (made once per set of skipped steps). Fault-free control runs
+(mock and real text, ``--controls`` seeds each) count false positives. scripts/campaign_score.py
+scores; every branch is a fork of this process (tests/conftest.py), ranks included.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import re
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,279 +34,343 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "scripts"), str(REPO / "tests"), str(REPO)]
 
 import campaign_cells as cc  # noqa: E402
+import campaign_score as score  # noqa: E402
 
-CONFIG = {"response": {"recur_count": 1000},
-          "recovery": {"max_rollbacks": 1000, "lr_factor": 1.0, "blacklist": "deterministic"},
-          "scene": {"enabled": False}}
 BEGIN, END = "<!-- campaign:begin (scripts/fault_campaign.py --write-docs) -->", "<!-- campaign:end -->"
+JSONL = REPO / "docs" / "campaign.jsonl"
+GUARD = {"recovery": {"lr_factor": 1.0, "blacklist": "deterministic"}, "scene": {"enabled": False}}
+"""The guard's defaults, but for a rollback's learning rate (kept, so a recovered run can be
+bit-equal to its clean twin), a blacklist only of samples a replay reproduced the fault with, and
+no fault scenes (speed)."""
+NUDGES = ("up", "down", "seed:1", "seed:2", "seed:3")
+QUICK_NUDGES = ("up", "seed:1")
+LOSS_STEPS = 5
+"""The loss compared with the clean twin's: the mean over the last LOSS_STEPS steps (same batches)."""
+TEXT = ["--data", f"text:{Path(json.__file__).parent}", "--data-max-mib", "1", "--vocab", "320"]
+"""Real text for the controls: the byte tokens of Python's json package sources."""
 _STEP = re.compile(r"^step\s+(\d+)/\d+ \| loss (\S+)")
-_LOOP_STEP = re.compile(r"(?:\] iteration|\[megatron_patches\] redone iteration)\s+(\d+)/\s*\d+ \|.*?lm loss: ([^ |]+)")
-_FED = re.compile(r"drill '([^']+)' fired into the token ids .*; (\d+) outside the vocabulary")
+_STATE = ("weights", "main", "exp_avg", "exp_avg_sq")
 
 
-def default_runner(out: Path, layout: str, steps: int, config: dict, drills: list, lasting: bool) -> tuple[int, str]:
-    """Train ``layout`` for ``steps`` steps under the guard's ``config`` with ``drills`` (``lasting``:
-    faults that stay in the weights or the optimizer state until a rollback): the tiny-GPT harness,
-    or Megatron-LM's packaged loop for the layouts of :data:`campaign_cells.LOOP`."""
-    from conftest import run_packaged_loop, run_tiny
+def configs() -> dict:
+    """The guard's config per name: ``observer`` (every detector off, no replay: the unguarded twin
+    that still fires drills), ``defaults`` and ``full``."""
+    from megatron_patches.config_detectors import DetectorsConfig
 
-    nproc, flags, _, _ = cc.LAYOUTS[layout]
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "guard.yaml"
-    if layout not in cc.LOOP:
-        # Checkpoints (the rollback targets, one before each fault) only where a fault stays in the
-        # weights or the optimizer state; a gradient or output fault is over once its step is skipped.
-        # Each is saved two steps before a fault, so the clean check between certifies it.
-        saves = cc.SAVE_INTERVAL if lasting else 0
-        path.write_text(json.dumps(config))  # JSON is YAML
-        args = ["--steps", str(steps), "--save-interval", str(saves), "--save-from", str(cc.WARMUP - 1),
-                "--seed", str(cc.SEED), "--config", str(path), *flags, *(a for d in drills for a in ("--inject", d))]
-        run = run_tiny(out, *args, nproc=nproc, timeout=900)
-        return run.returncode, run.output
-    # The loop's rollback is its default one: in process, to the newest in-memory snapshot (every
-    # recovery.snapshot_interval iterations) that a clean check after it certified.
-    path.write_text(json.dumps({**config, "report_dir": str(out), "inject": drills}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MEGATRON_PATCHES_CONFIG": str(path),
-           "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    from megatron_patches.testing.pretrain_cpu import TINY_GPT_ARGS
-
-    return run_packaged_loop(env, [*TINY_GPT_ARGS, "--train-iters", str(steps), "--seed", str(cc.SEED),
-                                   "--save", str(out / "ckpt"), "--load", str(out / "ckpt"), "--save-interval",
-                                   "100000", *flags], nproc=nproc, timeout=900)
+    off = {f.name: {"enabled": False} for f in dataclasses.fields(DetectorsConfig)}
+    return {"observer": {"detectors": off, "response": {"origin_check": False, "replay": False},
+                         "grad_history": False, "scene": {"enabled": False}},
+            "defaults": GUARD, "full": {**GUARD, "detectors": cc.FULL_DETECTORS}}
 
 
 def losses_of(output: str) -> dict:
-    """Step -> the loss its last execution printed (None when not finite): the harness's lines of
-    rank 0, or the loop's iteration lines (a redone iteration's line after the first)."""
+    """Step -> the loss its last execution printed (None when not finite), rank 0's lines."""
     found = {}
     for line in output.splitlines():
-        match = _STEP.match(line) or _LOOP_STEP.search(line)
+        match = _STEP.match(line)
         if match:
-            text = match.group(2).lower()
-            value = float(text) if text not in ("nan", "inf", "-inf", "-") else None
-            found[int(match.group(1))] = value
+            value = float(match.group(2)) if match.group(2).lower() not in ("nan", "inf", "-inf") else None
+            found[int(match.group(1))] = value if value is None or math.isfinite(value) else None
     return found
 
 
-def outside_of(output: str) -> dict:
-    """Input drill spec -> how many ids it left outside the vocabulary, summed over its lines (one per
-    micro-batch it fired into, on any rank)."""
-    found: dict = {}
-    for match in filter(None, map(_FED.search, output.splitlines())):
-        found[match.group(1)] = found.get(match.group(1), 0) + int(match.group(2))
-    return found
+def _relative(got: list, clean: list, key: str):
+    import torch
+
+    diff = sum(float((a[key] - b[key]).double().square().sum()) for a, b in zip(got, clean))
+    base = sum(float(b[key].double().square().sum()) for b in clean)
+    value = math.sqrt(diff / base) if base else 0.0
+    return value if math.isfinite(value) and all(bool(torch.isfinite(a[key]).all()) for a in got) else None
 
 
-def train(out: Path, layout: str, steps: int, drills: list, lasting: bool, runner) -> tuple:
-    """One training of ``layout`` with ``drills``: its exit code, losses by step, ids left outside
-    the vocabulary by drill, and incident records. The ranks' output is kept in OUT/output.log."""
-    config = {**CONFIG, **({"detectors": cc.FULL_DETECTORS} if cc.full(layout) else {})}
-    code, output = runner(out, layout, steps, config, drills, lasting)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "output.log").write_text(output)
-    incidents = [json.loads(line) for line in (out / "incidents.jsonl").read_text().splitlines()
-                 if line.strip()] if (out / "incidents.jsonl").exists() else []
-    return code, losses_of(output), outside_of(output), incidents
+def distance(got: list, clean: list):
+    """The weights' relative L2 distance (model weights and main weights, the larger), or None
+    where a value is not finite."""
+    values = [_relative(got, clean, key) for key in ("weights", "main")]
+    return None if None in values else max(values)
 
 
-def alone(cell, step: int, grouped: dict, workdir: Path, runner) -> dict:
-    """``cell`` scored again in a training that carries its fault alone, at the same step.
-
-    A training carries many cells, and every fault before this one that the guard did not skip or
-    roll back (one argued undetectable, one it missed) is still in the weights: the control steps
-    are then not those of a clean run with this one fault. Where the grouped training showed what
-    this fault should not make (incidents on its controls, an end inside them, an incident in the
-    window of a fault argued undetectable), this run says whether this fault makes it; the row is
-    its score, with the grouped one kept under ``grouped``."""
-    name = re.sub(r"[^A-Za-z0-9]+", "-", cell.key)
-    code, losses, outside, incidents = train(workdir / f"{name}-alone", cell.layout, step + cc.GAP - 1,
-                                             [cell.spec(step)], cell.target in cc.LASTING, runner)
-    row = cc.score(cell, step, incidents, losses, code == 0, outside.get(cell.spec(step)))
-    row["run"] = f"{name}-alone"
-    row["grouped"] = {key: grouped[key] for key in ("run", "detected", "localized", "false_positives", "recovered")}
-    return row
+def end_loss(losses: dict):
+    values = [losses.get(s) for s in range(cc.END - LOSS_STEPS + 1, cc.END + 1)]
+    return None if None in values else sum(values) / len(values)
 
 
-def run_group(group: list, workdir: Path, runner, progress) -> list[dict]:
-    """Run ``group`` (cells of one layout) in as few trainings as it takes; one row per cell."""
-    rows, pending, attempt = [], list(group), 0
-    while pending:
-        attempt += 1
-        layout, lasting = pending[0].layout, pending[0].target in cc.LASTING
-        steps = cc.fault_step(len(pending) - 1) + cc.GAP - 1
-        out = workdir / f"{layout}-{pending[0].target}-{pending[0].scope}-{attempt}"
-        drills = [cell.spec(cc.fault_step(index)) for index, cell in enumerate(pending)]
-        code, losses, outside, incidents = train(out, layout, steps, drills, lasting, runner)
-        reached = max(losses, default=0)
-        done = []
-        for index, cell in enumerate(pending):
-            step = cc.fault_step(index)
-            if step > reached and code != 0:
-                break  # never reached: a fresh run carries it
-            row = cc.score(cell, step, incidents, losses, code == 0 or step + cc.GAP - 1 <= reached,
-                           outside.get(cell.spec(step)))
-            row["run"] = out.name
-            if index and (row["false_positives"] or not row["recovered"] or row["reason"] and row["detected"]):
-                row = alone(cell, step, row, workdir, runner)
-            done.append(row)
-            progress(row)
-            if code != 0 and step + cc.GAP - 1 > reached:
-                break  # the run stopped inside this cell's window
-        if not done:
-            raise RuntimeError(f"run {out} made no progress (exit {code}): {(out / 'output.log').read_text()[-2000:]}")
-        rows += done
-        pending = pending[len(done):]
-    return rows
+def loss_delta(loss, clean):
+    return None if loss is None or clean is None else abs(loss - clean) / clean
 
 
-def campaign(cells: list, workdir: Path, per_run: int, runner=default_runner, quiet: bool = False) -> list[dict]:
-    def progress(row: dict) -> None:
-        if not quiet:
-            mark = "L" if row["localized"] else "d" if row["detected"] else "-" if row["reason"] else "MISS"
-            print(f"[campaign] {row['key']:<45} {mark:<4} step {row['step']:>3} "
-                  f"ttd {row['steps_to_detect']} fp {row['false_positives']} "
-                  f"recovered {row['recovered']} reported {row.get('reported_ranks')} {row.get('reported')}",
-                  flush=True)
+class Layout:
+    """One layout's branches: warm-up snapshots, clean twins, the band, cells and controls."""
 
-    rows = []
-    groups: dict = {}
-    for cell in cells:  # one layout, and lasting targets or not, per training
-        groups.setdefault((cell.layout, cell.target in cc.LASTING), []).append(cell)
-    for group in groups.values():
-        for start in range(0, len(group), per_run):
-            rows += run_group(group[start:start + per_run], workdir, runner, progress)
-    order = {cell.key: index for index, cell in enumerate(cells)}
-    return sorted(rows, key=lambda row: order[row["key"]])
+    def __init__(self, layout: str, workdir: Path, timeout: int, nudges: tuple = NUDGES):
+        self.layout, self.timeout, self.nudges = layout, timeout, nudges
+        self.nproc, self.flags = cc.LAYOUTS[layout][:2]
+        self.workdir = workdir / layout
+        self.configs = configs()
+        self.snapshots: dict = {}
+        self.twins: dict = {}  # (config, skipped steps, samples left out) -> (dumps, end loss)
+        self.count = 0
+
+    def _run(self, out: Path, config: str, *args: str) -> tuple[int, str]:
+        from conftest import run_tiny
+
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "guard.json"
+        path.write_text(json.dumps(self.configs[config]))  # JSON is YAML
+        run = run_tiny(out, "--config", str(path), *self.flags, *args, nproc=self.nproc, timeout=self.timeout)
+        (out / "output.log").write_text(run.output)
+        return run.returncode, run.output
+
+    def warm_up(self) -> None:
+        import torch
+
+        weights = {}
+        for config in self.configs:
+            out = self.workdir / f"warmup-{config}"
+            code, output = self._run(out, config, "--steps", str(cc.WARMUP), "--branch-snapshot-at", str(cc.WARMUP))
+            if code != 0 or (out / "incidents.jsonl").exists() and (out / "incidents.jsonl").read_text().strip():
+                raise RuntimeError(f"the {config} warm-up of {self.layout} was not clean (exit {code}): {output[-3000:]}")
+            self.snapshots[config] = out / "checkpoints" / f"iter_{cc.WARMUP:07d}"
+            weights[config] = [torch.load(self.snapshots[config] / f"branch_rank{r}.pt", weights_only=False)["weights"]
+                               for r in range(self.nproc)]
+        self.warmups_equal = all(torch.equal(a, b) for config in weights for ra, rb in
+                                 zip(weights[config], weights["observer"]) for a, b in zip(ra, rb))
+
+    def branch(self, name: str, config: str, *args: str) -> dict:
+        """Run one branch from ``config``'s snapshot to ``cc.END``; what it measured."""
+        import torch
+
+        self.count += 1
+        out = self.workdir / name
+        shutil.rmtree(out, ignore_errors=True)
+        (out / "checkpoints").mkdir(parents=True)
+        snapshot = self.snapshots[config]
+        os.symlink(snapshot, out / "checkpoints" / snapshot.name)  # the branch's rollback target
+        code, output = self._run(out, config, "--steps", str(cc.END), "--branch-from", str(snapshot),
+                                 "--branch-dump", *args)
+        losses = losses_of(output)
+        finished = code in (0, 1) and max(losses, default=0) == cc.END  # 1: the weights ended non-finite
+        dumps = [out / cc_dump(r) for r in range(self.nproc)]
+        dumps = [torch.load(p, weights_only=False) for p in dumps] if all(p.exists() for p in dumps) else None
+        incidents = [json.loads(line) for line in (out / "incidents.jsonl").read_text().splitlines()
+                     if line.strip()] if (out / "incidents.jsonl").exists() else []
+        nonfinite = {}
+        for dump in dumps or []:
+            for step, n in dump["nonfinite"].items():
+                nonfinite[step] = nonfinite.get(step, 0) + n
+        if not finished:
+            reached = max(losses, default=cc.WARMUP)
+            stopped = f"exit {code} at step {reached}" if code != -9 else f"killed after {self.timeout} s (step {reached})"
+        else:
+            stopped = None
+        return {"finished": finished, "stopped": stopped, "dumps": dumps, "loss": end_loss(losses),
+                "nonfinite_max": max(nonfinite.values(), default=0), "nonfinite_end": nonfinite.get(cc.END, 0),
+                "skipped": sorted(s for s, v in (dumps[0]["skipped"] if dumps else {}).items() if v),
+                "incidents": incidents, "lr_factor_one": True,
+                # A rollback goes to the snapshot, so the redo left the blacklisted samples out from its start.
+                "left_out": sorted({i for r in incidents for i in r.get("blacklisted") or ()})
+                if any(r.get("rolled_back_to") is not None for r in incidents) else []}
+
+    def twin(self, config: str, skipped: tuple, left_out: tuple = ()) -> tuple:
+        """The clean twin of ``config`` that skipped the iterations ``skipped`` and was never fed the
+        samples ``left_out`` (made once)."""
+        key = (config, tuple(skipped), tuple(left_out))
+        if key not in self.twins:
+            name = f"twin-{config}-{len(self.twins)}"
+            args = [*(("--branch-skip", ",".join(map(str, skipped))) if skipped else ()),
+                    *(("--branch-blacklist", ",".join(map(str, left_out))) if left_out else ())]
+            m = self.branch(name, config, *args)
+            if not m["finished"] or m["dumps"] is None or m["nonfinite_max"]:
+                raise RuntimeError(f"the clean twin {name} of {self.layout} did not end whole: {m['stopped']}")
+            self.twins[key] = (m["dumps"], m["loss"])
+            shutil.rmtree(self.workdir / name, ignore_errors=True)
+        return self.twins[key]
+
+    def against(self, m: dict, dumps: list, loss) -> dict:
+        """``m`` with its distance and loss change from a twin."""
+        got = m["dumps"]
+        return {"distance": distance(got, dumps) if got else None, "loss_delta": loss_delta(m["loss"], loss),
+                "equal": bool(got) and all(__import__("torch").equal(a[k], b[k]) for a, b in zip(got, dumps)
+                                           for k in _STATE)}
+
+    def prepare(self) -> None:
+        self.warm_up()
+        clean, clean_loss = self.twin("observer", ())
+        nudged = []
+        for mode in self.nudges:
+            m = self.branch(f"nudge-{mode.replace(':', '')}", "observer", "--branch-nudge", mode)
+            nudged.append({**m, **self.against(m, clean, clean_loss)})
+        self.band = score.band_of(nudged)
+        self.guard_equal = {c: self.against({"dumps": self.twin(c, ())[0], "loss": self.twin(c, ())[1]},
+                                            clean, clean_loss)["equal"] for c in cc.CONFIGS}
+
+    def cell(self, cell: cc.Cell) -> dict:
+        name = re.sub(r"[^A-Za-z0-9]+", "-", cell.key)
+        clean, clean_loss = self.twin("observer", ())
+        unguarded = self.branch(f"{name}-observer", "observer", "--inject", cell.spec())
+        unguarded.update(self.against(unguarded, clean, clean_loss))
+        figures, harmful = score.harm(unguarded, self.band)
+        row = {"key": cell.key, **dataclasses.asdict(cell), "rank": cell.rank(), "spec": cell.spec(),
+               "harm": figures, "harmful": harmful}
+        for config in cc.CONFIGS:
+            m = self.branch(f"{name}-{config}", config, "--inject", cell.spec())
+            if m["dumps"] is not None:
+                twin = self.against(m, *self.twin(config, tuple(m["skipped"]), tuple(m["left_out"])))
+                m.update(twin_equal=twin["equal"], twin_distance=twin["distance"], twin_loss_delta=twin["loss_delta"])
+            else:
+                m.update(twin_equal=False, twin_distance=None, twin_loss_delta=None)
+            row[config] = {**score.score(cell, m, self.band), "left_out": m["left_out"]}
+            shutil.rmtree(self.workdir / f"{name}-{config}", ignore_errors=True)
+        shutil.rmtree(self.workdir / f"{name}-observer", ignore_errors=True)
+        return row
+
+    def controls(self, seeds: int) -> list[dict]:
+        """Fault-free runs as long as a branch's training (warm-up and after), ``seeds`` seeds of
+        mock data and as many of real text, with each configuration."""
+        found = []
+        for config in cc.CONFIGS:
+            for data, extra in (("mock", []), ("text", TEXT)):
+                for seed in range(1, seeds + 1):
+                    out = self.workdir / f"control-{config}-{data}-{seed}"
+                    code, output = self._run(out, config, "--steps", str(cc.END), "--seed", str(seed), *extra)
+                    incidents = [line for line in (out / "incidents.jsonl").read_text().splitlines()
+                                 if line.strip()] if (out / "incidents.jsonl").exists() else []
+                    found.append({"layout": self.layout, "config": config, "data": data, "seed": seed,
+                                  "steps": max(losses_of(output), default=0), "exit": code,
+                                  "incidents": len(incidents)})
+                    shutil.rmtree(out, ignore_errors=True)
+        return found
 
 
-def mark(row: dict) -> str:
-    """A table cell: L (localized strictly) / d (detected, not strictly localized) / MISS (detectable,
-    not detected) / - (undetectable by design, not detected), then the steps to detect, +N false
-    positives, ! when the run did not train on."""
-    text = "L" if row["localized"] else "d" if row["detected"] else "-" if row["reason"] else "**MISS**"
-    if row["detected"]:
-        text += str(row["steps_to_detect"])
-    if row["false_positives"]:
-        text += f" +{row['false_positives']}fp"
-    if not row["recovered"]:
-        text += " !"
-    return text
+def cc_dump(rank: int) -> str:
+    from megatron_patches.testing.branch import DUMP
+
+    return DUMP.format(rank=rank)
 
 
-def markdown(result: dict) -> str:
-    rows, lines = result["rows"], []
-    meta = result["meta"]
-    lines += [f"Generated by `scripts/fault_campaign.py{' --quick' if meta['quick'] else ''}` "
-              f"(seed {meta['seed']}, megatron-core {meta['megatron_core']}, {meta['seconds']:.0f} s on "
-              f"{meta['cpus']} CPU cores{'; ' + meta['runs'] if meta.get('runs') else ''}); the JSON is "
-              f"`{meta['json']}`. Target parameter `{cc.PARAM}`, "
-              f"module `{cc.MODULE}`; DP2 binds local and forward faults to rank 1, gradient, weight and "
-              f"state faults to rank {cc.SHARD_HOLDER} (its shard holds the parameter); TP2 and PP2 bind "
-              "every fault to rank 1 (TP: its half of the parameter; PP: the stage that holds it), except the "
-              f"input faults (the token ids fed to `{cc.EMBEDDING}`, integers: their own menu of kinds), which "
-              "PP2 binds to rank 0, the stage that holds the embedding. EP2 and CP2 train through Megatron-LM's own "
-              "loop (`megatron.training`, mock data; its rollback is the default one, in process to an in-memory "
-              "snapshot): EP2 (4 experts, top-2) binds every fault to rank 1, its gradient, weight and state faults "
-              f"to `{cc.EXPERT_PARAM}` (expert 2, held by rank 1 alone); CP2 binds local, forward and input faults to "
-              "rank 1 and the others to rank 0, whose optimizer shard holds the parameter.", "",
-              "| layout | cells | detected | strictly localized | false positives on controls | recovered | "
-              "detectable: detected / localized | undetectable by design |", "|---|---|---|---|---|---|---|---|"]
-    for layout, t in result["totals"].items():
-        lines.append(f"| {layout} | {t['cells']} | {t['detected']} | {t['localized']} | {t['false_positives']} | "
-                     f"{t['recovered']} | {t['detectable_detected']} / {t['detectable_localized']} of "
-                     f"{t['detectable']} | {t['by_design']} |")
-    lines += ["", "Cells: `L` localized strictly, `d` detected but not strictly localized, `**MISS**` detectable "
-              "and not detected, `-` undetectable by design (reason below) and not detected; the digit is the steps "
-              "to detect; `+Nfp` incidents on the control steps; `!` the run did not train on.", ""]
-    scopes = [s for s in cc.SCOPES if any(r["scope"] == s for r in rows)]
-    for layout in dict.fromkeys(r["layout"] for r in rows):
-        lines += [f"**{layout}**", "", "| target | kind | " + " | ".join(scopes) + " |",
-                  "|---|---|" + "---|" * len(scopes)]
-        for target in cc.TARGETS:
-            for kind in cc.kinds_of(target):
-                mine = {r["scope"]: r for r in rows if (r["layout"], r["target"], r["kind"]) == (layout, target, kind)}
-                if mine:
-                    lines.append(f"| {target} | {kind} | " + " | ".join(mark(mine[s]) if s in mine else ""
-                                                                     for s in scopes) + " |")
+def commit() -> dict:
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def campaign(cells: list, workdir: Path, controls: int, budget: float = math.inf, timeout: int = 300,
+             progress=print, nudges: tuple = NUDGES) -> tuple[list, dict]:
+    """Run ``cells`` (several layouts allowed) and ``controls`` seeds per data kind; rows and the
+    meta/totals line. Cells of a layout not begun ``budget`` seconds after it started are left out
+    (the meta says how many ran); its controls run all the same."""
+    from importlib.metadata import version
+
+    rows, clean, layouts, code = [], [], {}, commit()  # the code that runs, before anything is written
+    for name in dict.fromkeys(c.layout for c in cells):
+        started = time.time()
+        layout = Layout(name, workdir, timeout, nudges)
+        layout.prepare()
+        mine = [c for c in cells if c.layout == name]
+        done = 0
+        for cell in mine:
+            if time.time() > started + budget:
+                break
+            row = layout.cell(cell)
+            rows.append(row)
+            with open(workdir / "rows.partial.jsonl", "a", encoding="utf-8") as partial:  # kept if the run dies
+                partial.write(json.dumps(row) + "\n")
+            done += 1
+            progress(f"[campaign] {row['key']:<48} harmful {row['harmful']!s:<5} " + " ".join(
+                f"{c}: {'L' if row[c]['localized'] else 'd' if row[c]['detected'] else '-'}"
+                f"{'' if row[c]['recovered'] else '!'}" for c in cc.CONFIGS))
+        cells_seconds = time.time() - started
+        clean += layout.controls(controls)
+        layouts[name] = {"cells_planned": len(mine), "cells_run": done, "branches": layout.count,
+                         "seconds": round(time.time() - started), "seconds_without_controls": round(cells_seconds),
+                         "band": layout.band, "warmups_bit_equal": layout.warmups_equal,
+                         "guarded_clean_twin_bit_equal_to_unguarded": layout.guard_equal}
+    meta = {**code, "layouts": layouts, "megatron_core": version("megatron-core"), "cpus": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d", time.gmtime()), "warmup": cc.WARMUP, "fault_step": cc.FAULT_STEP,
+            "after": cc.AFTER, "seeds": sorted({c.seed for c in cells}), "nudges": list(nudges),
+            "controls_per_data_kind": controls, "loss_steps": LOSS_STEPS, "guard": GUARD}
+    return rows, {"meta": meta, "totals": score.totals(rows, clean), "controls": clean}
+
+
+def write_jsonl(path: Path, rows: list, tail: dict) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows) + json.dumps(tail) + "\n")
+
+
+def read_jsonl(path: Path) -> tuple[list, dict]:
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return lines[:-1], lines[-1]
+
+
+def markdown(rows: list, tail: dict) -> str:
+    meta, lines = tail["meta"], []
+    lines += [f"Generated by `make campaign` from `docs/campaign.jsonl` (commit {meta['commit'][:7]}"
+              f"{' with local changes' if meta['dirty'] else ''}, {meta['date']}, megatron-core {meta['megatron_core']}, "
+              f"{meta['cpus']} CPU cores, shared). Every cell is one fault (kind x scope x target x seed) injected at "
+              f"step {meta['fault_step']} of a branch from one clean warm-up, scored {meta['after']} steps later.", "",
+              "| layout | config | cells run / planned | harmful | strictly localized | recovered | alarms on harmless "
+              "| false positives per 10,000 clean steps (runs, steps) | after-fault false positives | time |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for key, t in tail["totals"].items():
+        layout, config = key.split("/")
+        info = meta["layouts"][layout]
+        share = f"{t['localized']} ({100 * t['localized'] / t['harmful']:.1f} %)" if t["harmful"] else "0"
+        lines.append(f"| {layout} | {config} | {info['cells_run']} / {info['cells_planned']} | {t['harmful']} | {share} | "
+                     f"{t['recovered']} | {t['alarms_on_harmless']} | {t['false_positives_per_10k_clean_steps']} "
+                     f"({t['clean_runs']}, {t['clean_steps']}) | {t['false_positives_after_fault']} | "
+                     f"{info['seconds']} s |")
+    lines += ["", "Bands (the most that one ulp of every weight moved the end loss and the weights): " + "; ".join(
+        f"{layout} loss {info['band']['loss']:.2e}, weights {info['band']['weight']:.2e}"
+        for layout, info in meta["layouts"].items()) + ".", ""]
+    for key, t in tail["totals"].items():
+        byname = {r["key"]: r for r in rows}
+        lines.append(f"Misses of {key} (harmful, not strictly localized; what the first incident named): " + (", ".join(
+            f"`{m}` ({byname[m][key.split('/')[1]].get('reported') or 'nothing'})" for m in t["misses"]) or "none") + ".")
         lines.append("")
-    lines += ["Undetectable by design (kind, target: scopes covered, why):", ""]
-    for (kind, target), (covered, why) in cc.REASONS.items():
-        if any(r["kind"] == kind and r["target"] == target for r in rows):
-            lines.append(f"- {kind}, {target} ({', '.join(covered)}): {why.rstrip('.')}.")
-    valid = [r for r in rows if r["target"] == "input" and r["reason"] == cc.VALID_IDS]
-    if valid:
-        lines.append(f"- input, where the fault left every id valid ({len(valid)} cells: "
-                     f"{', '.join(sorted({r['kind'] for r in valid}))}): {cc.VALID_IDS}.")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
 
 
-def write_docs(result: dict, doc: Path) -> None:
+def write_docs(rows: list, tail: dict, doc: Path) -> None:
     text = doc.read_text()
     if BEGIN not in text or END not in text:
         raise SystemExit(f"{doc} has no {BEGIN} ... {END} section to regenerate")
     head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    doc.write_text(f"{head}{BEGIN}\n{markdown(result)}{END}{tail}")
-
-
-def runnable(layout: str) -> bool:
-    """Whether this Python can train ``layout``: the loop's layouts need ``megatron.training``."""
-    if layout not in cc.LOOP:
-        return True
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("megatron.training") is not None
-    except ImportError:
-        return False
+    doc.write_text(f"{head}{BEGIN}\n{markdown(rows, tail)}{END}{rest.split(END, 1)[1]}")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="one scope per kind (the CI test's cells)")
-    p.add_argument("--layouts", nargs="+", choices=list(cc.LAYOUTS),
-                   help=f"default: all ({', '.join(cc.LAYOUTS)}); --quick: {', '.join(cc.QUICK_LAYOUTS)}")
+    p.add_argument("--layouts", nargs="+", choices=list(cc.LAYOUTS), default=list(cc.LAYOUTS),
+                   help="harness layouts (default: all)")
     p.add_argument("--targets", nargs="+", choices=list(cc.TARGETS), help="default: all")
-    p.add_argument("--out", default="runs/campaign", help="where the runs go (default runs/campaign)")
-    p.add_argument("--json", help="write the result here (default: OUT/campaign.json)")
-    p.add_argument("--per-run", type=int, default=60, help="cells carried by one training (default 60)")
-    p.add_argument("--from-json", help="do not run: read this result (for --write-docs)")
-    p.add_argument("--write-docs", action="store_true", help="regenerate the section of docs/reliability.md")
+    p.add_argument("--quick", action="store_true", help="the CI test's cells (campaign_cells.QUICK)")
+    p.add_argument("--controls", type=int, default=15, help="fault-free runs per data kind (mock, text) and config")
+    p.add_argument("--budget-minutes", type=float, default=math.inf,
+                   help="per layout: begin no cell after this many minutes (default: no limit; the file says which ran)")
+    p.add_argument("--out", default="runs/campaign", help="where the branches run (default runs/campaign)")
+    p.add_argument("--jsonl", default=str(JSONL), help=f"the result (default {JSONL.relative_to(REPO)})")
+    p.add_argument("--write-docs", action="store_true", help="only regenerate docs/reliability.md's table from --jsonl")
     args = p.parse_args(argv)
-    if args.from_json:  # the reasons may have been written since: the rows and totals take the current ones
-        result = json.loads(Path(args.from_json).read_text())
-        by_key = {c.key: c for c in cc.cells(result["meta"]["quick"])}
-        for row in result["rows"]:
-            row["reason"] = cc.reason_of(by_key[row["key"]], row.get("outside"))
-        result["totals"] = cc.totals(result["rows"])
-        Path(args.from_json).write_text(json.dumps(result, indent=1) + "\n")
-    else:
-        from importlib.metadata import version
-
-        layouts = args.layouts or [layout for layout in (cc.QUICK_LAYOUTS if args.quick else cc.LAYOUTS)
-                                    if runnable(layout)]
-        missing = [layout for layout in layouts if not runnable(layout)]
-        if missing:
-            p.error(f"{', '.join(missing)} train(s) through Megatron-LM's own loop, which this megatron-core does not "
-                    "ship (0.17+ does, on Python 3.12): run this script with .venv312/bin/python")
-        if not args.layouts and len(layouts) < len(cc.LAYOUTS) and not args.quick:
-            print(f"[campaign] {', '.join(cc.LOOP)} left out: Megatron-LM's loop is not importable here", flush=True)
+    if args.controls < 1:
+        p.error(f"--controls must be >= 1, got {args.controls}")
+    if not args.budget_minutes > 0:
+        p.error(f"--budget-minutes must be > 0, got {args.budget_minutes}")
+    if not args.write_docs:
         os.makedirs(args.out, exist_ok=True)
         workdir = Path(tempfile.mkdtemp(prefix="campaign.", dir=args.out))
-        started = time.time()
-        rows = campaign(cc.cells(args.quick, tuple(layouts), tuple(args.targets or ())), workdir, args.per_run)
-        target = Path(args.json or Path(args.out) / "campaign.json")
-        result = {"meta": {"quick": args.quick, "seed": cc.SEED, "megatron_core": version("megatron-core"),
-                           "seconds": time.time() - started, "cpus": os.cpu_count(), "json": str(target)},
-                  "totals": cc.totals(rows), "rows": rows}
-        target.write_text(json.dumps(result, indent=1) + "\n")
-        (Path(args.out) / "campaign.md").write_text(markdown(result))
-        print(json.dumps(result["totals"], indent=1))
-        print(f"[campaign] {target}, {Path(args.out) / 'campaign.md'}")
-    if args.write_docs:
-        write_docs(result, REPO / "docs" / "reliability.md")
-    elif args.from_json:
-        print(markdown(result))
+        # Seed by seed, and within a seed scope by scope over every kind and target: a layout cut by
+        # --budget-minutes has run whole scopes of its first seeds.
+        order = {name: i for i, name in enumerate((*cc.SCOPES, *cc.KINDS, *cc.INPUT_KINDS, *cc.TARGETS))}
+        cells = cc.cells(quick=True) if args.quick else sorted(
+            cc.cells(tuple(args.layouts), tuple(args.targets or ())),
+            key=lambda c: (c.layout, c.seed, order[c.scope], order[c.kind], order[c.target]))
+        rows, tail = campaign(cells, workdir, args.controls, args.budget_minutes * 60,
+                              nudges=QUICK_NUDGES if args.quick else NUDGES)
+        write_jsonl(Path(args.jsonl), rows, tail)
+        print(json.dumps(tail["totals"], indent=1))
+    rows, tail = read_jsonl(Path(args.jsonl))
+    if args.write_docs or Path(args.jsonl).resolve() == JSONL:
+        write_docs(rows, tail, REPO / "docs" / "reliability.md")
     return 0
 
 

@@ -82,7 +82,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="write loss, lr, the guard's counters and gradient norms to TensorBoard (rank 0)")
     p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout (default 0)")
     p.add_argument("--no-guard", action="store_true", help="train without megatron_patches (baseline)")
-    args = p.parse_args(argv)
+    args = _parse_with_branch_flags(p, argv)
     if args.data != "synthetic" and not (args.data.startswith("text:") and len(args.data) > len("text:")):
         raise UserError(f"--data must be synthetic or text:PATH, got {args.data!r}")
     text = args.data.startswith("text:")
@@ -109,6 +109,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         raise UserError(f"--vocab ({args.vocab}) must be divisible by --tp ({args.tp})")
     if args.hidden % args.heads:
         raise UserError(f"--hidden ({args.hidden}) must be divisible by --heads ({args.heads})")
+    return args
+
+
+def _parse_with_branch_flags(p: argparse.ArgumentParser, argv: Optional[list[str]]) -> argparse.Namespace:
+    """``p`` with the fault campaign's branch flags (:mod:`.branch`), parsed and checked."""
+    from .branch import add_arguments, check_arguments
+
+    add_arguments(p)
+    args = p.parse_args(argv)
+    check_arguments(args)
     return args
 
 

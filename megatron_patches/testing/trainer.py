@@ -121,7 +121,10 @@ class TinyTrainer:
         self._step_inputs = (step, microbatches, rng_state())
         self._checked_before_step = self.monitor.counters["checked_steps"] if self.monitor else 0
         out = self._forward_backward(step, microbatches)
-        success, grad_norm, _ = self.optimizer.step()
+        if step in self.args.branch_skip:  # a branch's twin of a run whose guard skipped this step
+            success, grad_norm = False, None
+        else:
+            success, grad_norm, _ = self.optimizer.step()
         if grad_norm is not None:
             grad_norm = float(grad_norm)  # 0.19+ may hand back a one-element tensor
         if success:
@@ -160,8 +163,11 @@ class TinyTrainer:
         return {**verdict, "bad_samples": sorted({i for part in every for i in part})}
 
     def load_checkpoint(self, path: str) -> int:
+        from . import branch
         from .checkpoints import load_checkpoint
 
+        if branch.holds(path):  # a branch's rollback target: the snapshot it started from
+            return branch.load(self, path)
         common = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         self.sampler.load_state_dict(common["sampler"])
         if self.monitor is not None and common.get("monitor"):
@@ -219,7 +225,18 @@ class TinyTrainer:
         log.started = time.time()
         incidents_at_last_save = 0
         step = 1
-        if a.resume:
+        probe = None
+        if a.branch_from or a.branch_dump or a.branch_snapshot_at:
+            from . import branch
+
+            probe = branch.Probe() if a.branch_dump else None
+        if a.branch_from:
+            step = branch.load(self, a.branch_from) + 1
+            if a.branch_nudge:
+                branch.nudge(self, a.branch_nudge)
+            if a.branch_blacklist:
+                self.set_blacklist(sorted(a.branch_blacklist))
+        elif a.resume:
             step = self._resume()
         elif a.save_interval and not a.distributed_optimizer and not a.save_from:
             # The distributed optimizer's state_dict asserts one Adam step count, and torch Adam has
@@ -231,6 +248,8 @@ class TinyTrainer:
             checked = self.monitor is not None and self.monitor.counters["checked_steps"] != self._checked_before_step
             # check_interval > 1: on an unchecked step last_total_norm belongs to an earlier step
             log.step(step, out, self.optimizer.param_groups[0]["lr"], checked, time.perf_counter() - t0)
+            if probe is not None:
+                probe.after_step(self, step, out["skipped"])
             resume = self.recovery.after_step(step, out["samples"]) if self.recovery else None
             if resume is not None:
                 log.rewind(resume)
@@ -241,7 +260,11 @@ class TinyTrainer:
                 incidents = self.monitor.counters["incidents"] if self.monitor else 0
                 self.save(step, healthy=incidents == incidents_at_last_save and self._params_finite())
                 incidents_at_last_save = incidents
+            if step == a.branch_snapshot_at:
+                branch.save(self, step)
             step += 1
+        if probe is not None:
+            probe.dump(self, a.out)
         return self._finish()
 
     def _resume(self) -> int:
