@@ -216,6 +216,7 @@ class GradMonitor:
         run.origin.commit(accepted=not verdict.flagged)
         if not verdict.flagged:
             run.stage.commit(verdict, accepted=True)
+            run.norm_trail.append(verdict.ctx.total_norm)
             return False
         self._incident(verdict, action, before)
         run.stage.commit(verdict, accepted=False)
@@ -321,6 +322,7 @@ class GradMonitor:
         """After an in-process rollback: grading counts afresh, and drills that began are over."""
         self.state.rollbacks = rollbacks
         self.state.responder.policy.reset()
+        self.state.norm_trail.clear()
         self.state.drills.spend_started()
         for detector in self.state.detectors:
             detector.forget()
