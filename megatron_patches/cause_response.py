@@ -80,14 +80,15 @@ def follow_cause(run: InProcessRecovery, episode: Episode) -> Episode:
 
 
 def fence_decision(ledger: Ledger, cause: Optional[Cause], decision: Decision, repeat: int, code: int,
-                   rank: int) -> Decision:
+                   rank: int, interval: int = 1) -> Decision:
     """Count a hardware-class incident against each device it points at (in ``ledger``); the
     ``repeat``-th on one device turns ``decision`` into a fence, names the device in ``ledger.fenced``
-    and logs (rank 0) the one line that names the host and device to exclude. Every rank calls it
+    and logs (rank 0) the one line that names the host and device to exclude. Incidents on
+    consecutive checked steps (``interval`` apart) are one fault, counted once. Every rank calls it
     with the same ledger and cause, so every rank decides alike."""
     if cause is None or cause.klass != "hardware" or not cause.devices or decision.action == Action.FENCE:
         return decision
-    counted = ledger.count_hardware(cause.devices, decision.step)
+    counted = ledger.count_hardware(cause.devices, decision.step, interval)
     device, count = max(counted, key=lambda pair: pair[1])
     if count < repeat:
         return decision
@@ -106,7 +107,7 @@ def count_device(run: InProcessRecovery, episode: Episode) -> Episode:
     """hardware: count the device in the ledger (saved); the ``response.hardware_repeat``-th fences it."""
     response = run.monitor.config.response
     fenced = fence_decision(run.ledger, episode.cause, episode.decision, response.hardware_repeat,
-                            response.exit_codes.fence, run.monitor.rank)
+                            response.exit_codes.fence, run.monitor.rank, run.monitor.config.check_interval)
     if episode.cause is not None and episode.cause.klass == "hardware" and episode.cause.devices:
         run.save_ledger()
     return episode if fenced is episode.decision else _decided(episode, fenced)
@@ -156,6 +157,7 @@ def settle_cause(ledger: Ledger, decision: Decision, config: Any, rank: int) -> 
     counted (a fence where due), and whether the episode's samples are to be blacklisted."""
     found = classify(decision.signs or Signs(step=decision.step))
     response = config.response
-    decision = fence_decision(ledger, found, decision, response.hardware_repeat, response.exit_codes.fence, rank)
+    decision = fence_decision(ledger, found, decision, response.hardware_repeat, response.exit_codes.fence, rank,
+                              config.check_interval)
     return decision, found, found.klass in BLACKLISTING
 

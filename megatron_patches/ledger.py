@@ -100,14 +100,18 @@ class Ledger:
                 and not self._switched_off_by_next(recovery)
                 and sorted(skipped) == sorted(last.get("skip_iterations", [])))
 
-    def count_hardware(self, devices: Iterable[Any], step: int) -> list[tuple[Any, int]]:
+    def count_hardware(self, devices: Iterable[Any], step: int, interval: int = 1) -> list[tuple[Any, int]]:
         """One hardware-class incident at ``step`` on each of ``devices``
-        (:class:`~megatron_patches.cause.Device`); returns each with its count in the job so far."""
+        (:class:`~megatron_patches.cause.Device`); returns each with its count in the job so far. An
+        incident on the checked step right after the device's last one (``interval``: the check
+        interval) continues that fault and is not counted again."""
         counted = []
         for device in devices:
-            self.hardware.append({"host": device.host, "device": device.device, "rank": device.rank, "step": step})
-            counted.append((device, sum(1 for e in self.hardware
-                                        if (e["host"], e["device"]) == (device.host, device.device))))
+            mine = [e for e in self.hardware if (e["host"], e["device"]) == (device.host, device.device)]
+            if not mine or not 0 < step - mine[-1]["step"] <= interval:
+                self.hardware.append({"host": device.host, "device": device.device, "rank": device.rank, "step": step})
+                mine.append(self.hardware[-1])
+            counted.append((device, len(mine)))
         return counted
 
     def _lr_scale_after_next(self, recovery: Any) -> float:

@@ -101,6 +101,9 @@ def test_the_second_hardware_incident_on_one_device_fences_it_with_the_fence_cod
     ledger = Ledger()
     cause, decision = _hardware(7)
     assert fence_decision(ledger, cause, decision, repeat=2, code=88, rank=0) is decision
+    # The next checked step's incident continues the same fault: not counted again.
+    cause, again = _hardware(8)
+    assert fence_decision(ledger, cause, again, repeat=2, code=88, rank=0) is again and len(ledger.hardware) == 1
     # Another device's incident does not add to this one's count.
     other, decision = _hardware(9, Device(1, "node7", "cuda:1"))
     assert fence_decision(ledger, other, decision, repeat=2, code=88, rank=0) is decision
