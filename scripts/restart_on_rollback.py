@@ -15,6 +15,11 @@ learning rate (``megatron_patches.seams.megatron_lm_rollback``). A rollback is r
   ``rollback_requested`` is set and its rollback count went up during the attempt, the attempt
   ended in a rollback whatever status the launcher returned.
 
+A fence (a device with ``response.hardware_repeat`` hardware-class incidents: the ledger's
+``fenced`` set during the attempt, the workers' exit 88) is never restarted here: the same node would
+meet the same device; this script ends with ``--fence-code`` (88) after one line naming the host and
+device, so that a scheduler requeues the job without that node (``scripts/slurm/guarded.sbatch``).
+
 Anything else (success, a stop with 85 or 86, a crash) ends this script with the command's
 status. A rollback once the restart budget is spent ends it with the rollback's code (84 also
 when torchrun reported 1): ``--max-restarts 0`` runs the command once and tells a scheduler that
@@ -34,6 +39,7 @@ import time
 from typing import Optional
 
 EXIT_ROLLBACK = 84  # megatron_patches.decisions.EXIT_ROLLBACK
+EXIT_FENCE = 88  # megatron_patches.decisions.EXIT_FENCE
 LEDGER_FILE = "megatron_patches_ledger.json"  # megatron_patches.ledger.LEDGER_FILE
 
 
@@ -107,6 +113,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="restarts allowed after the first run (default 3)")
     parser.add_argument("--checkpoint-dir", metavar="DIR",
                         help="where the ledger is (default: the command's --save, else --load)")
+    parser.add_argument("--fence-code", type=int, default=EXIT_FENCE, metavar="CODE",
+                        help="exit code of a fence, response.exit_codes.fence (default 88)")
     parser.add_argument("--restart-on", default=str(EXIT_ROLLBACK), metavar="CODES",
                         help="comma-separated exit codes that mean 'restart me' (default 84)")
     split = argv.index("--") if "--" in argv else len(argv)
@@ -139,6 +147,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         requested = after.get("rollback_requested")
         ledger_says = bool(requested) and after.get("rollbacks", 0) > before.get("rollbacks", 0)
         took = f"{time.time() - started:.0f} s"
+        fenced = after.get("fenced")
+        if isinstance(fenced, dict) and (code == options.fence_code or fenced != before.get("fenced")):
+            say(f"attempt {restarts + 1}: fence: exclude host {fenced.get('host')} device {fenced.get('device')} "
+                f"({fenced.get('incidents')} hardware-class incidents; exit {code}, {took}); stopping with "
+                f"{options.fence_code}")
+            return options.fence_code
         if code == 0:
             say(f"attempt {restarts + 1} finished (exit 0, {took})")
             return 0
