@@ -31,6 +31,7 @@ from .collectives import PeerLost
 from .config import Config
 from .decisions import Action, Decision, exit_code
 from .detectors import audit
+from .errors import exit_refused
 from .incidents import Outcome
 from .protocols import PreReduction, Seams
 from .run_state import RunState
@@ -156,6 +157,13 @@ class GradMonitor:
     def _refuse_at_start(self, optimizer: Any) -> None:
         """Drills that cannot act, and a state audit where it cannot hold, stop every rank (exit 2)."""
         run = self.state
+        poison = [spec.text for spec in run.drills.specs if spec.kind == "poison"]
+        if poison and not run.drills.poison_asked:  # the same on every rank: the loop's code, not its data
+            if self.rank == 0:
+                log.error("drill(s) %s cannot act: this training loop feeds no poisoned sample (the tiny-GPT harness "
+                          "does; Megatron-LM's loop does not); rehearse a bad batch with an input drill instead, e.g. "
+                          "bitflip:step=3,phase=input,module=embedding.word_embeddings,bit=30", ", ".join(map(repr, poison)))
+            exit_refused(self.rank)
         inject.refuse_unmatched(run.drills, run.model_chunks.chunks_for(optimizer), self.rank,
                                 run.seams.current_grads(optimizer, run.stage.entries_for(optimizer)),
                                 run.seams.parallel_state())
