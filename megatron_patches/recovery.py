@@ -280,13 +280,14 @@ class ExitAndRestart(Callback):
     """For loops that cannot be re-entered (Megatron-LM's ``pretrain_gpt.py``): on a rollback
     decision rank 0 writes the ledger and every rank exits with ``response.exit_codes.rollback``; the launcher
     restarts the job, which loads the newest healthy checkpoint and applies the ledger. The one
-    writer of that ledger; ``request_fields`` (the integration's) adds to its rollback request."""
+    writer of that ledger; ``request_fields`` (the integration's) adds to its rollback request,
+    told whether the incident's cause blacklists its samples (data or unknown)."""
 
     in_process = False
     replays = False
 
     def __init__(self, monitor: Guard, checkpoint_root: str,
-                 request_fields: Optional[Callable[[], dict]] = None):
+                 request_fields: Optional[Callable[[bool], dict]] = None):
         self.monitor = monitor
         self.checkpoint_root = checkpoint_root
         self.ledger_path = os.path.abspath(Ledger.path(checkpoint_root))
@@ -299,6 +300,10 @@ class ExitAndRestart(Callback):
         monitor.drills.spend(self.ledger.spent_injections)
         monitor.add_callback(self)
         monitor.attach(self, self.ledger.rollbacks)
+
+    def wants_replay(self, decision: Decision) -> bool:
+        """A rollback's record waits for :meth:`settle_exit`: its cause may make it a fence."""
+        return decision.action == Action.ROLLBACK
 
     def on_decision(self, decision: Decision, incident: Optional[Incident]) -> None:
         """Rank 0 collects the episode's samples from the incident (every rank's)."""
@@ -320,11 +325,13 @@ class ExitAndRestart(Callback):
         self.ledger.spent_injections = sorted(set(self.ledger.spent_injections) | fired)
         if decision.action == Action.FENCE:
             self._save_event(f"the fence of host {self.ledger.fenced['host']} device {self.ledger.fenced['device']}")
+            self.monitor.resolve(Outcome(cause=cause, decision=decision))  # the held record, now a fence
             return decision
         samples = self.episode_samples if self.config.blacklist == "always" and blacklisting else []
+        self.monitor.resolve(Outcome(cause=cause, blacklisted=tuple(samples)))
         # The loop that reads the ledger at start-up switches the features off.
         self.ledger.record_rollback(self.config, samples)
-        fields = self._request_fields() if self._request_fields is not None else {}
+        fields = self._request_fields(blacklisting) if self._request_fields is not None else {}
         self.ledger.rollback_requested = {"from_step": self.monitor.step, **fields}
         self.ledger.events.append({"step": self.monitor.step, "exit": codes.rollback, "lr_scale": self.ledger.lr_scale,
                                    "blacklisted": len(samples), "cause": cause.klass,
