@@ -39,7 +39,7 @@ sys.path[:0] = [str(REPO / "scripts"), str(REPO / "tests"), str(REPO)]
 
 import campaign_cells as cc  # noqa: E402
 
-CONFIG = {"response": {"recur_count": 1000},
+CONFIG = {"response": {"recur_count": 1000, "hardware_repeat": 1000},  # scored per cell, never fenced
           "recovery": {"max_rollbacks": 1000, "lr_factor": 1.0, "blacklist": "deterministic"},
           "scene": {"enabled": False}}
 BEGIN, END = "<!-- campaign:begin (scripts/fault_campaign.py --write-docs) -->", "<!-- campaign:end -->"
