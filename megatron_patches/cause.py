@@ -10,8 +10,8 @@ The classes, and the response each asks for (:mod:`megatron_patches.recovery`):
   on the same rank from the same state and batch is clean: no sample is blacklisted, the held
   state is rolled back, the device is counted (``response.hardware_repeat`` of them in one job
   fence it);
-* ``numerics``: the gradient norm grew across the checked steps before the fault, or a held
-  value grew past 2^100 while staying finite: the learning-rate cut and safe mode of a rollback;
+* ``numerics``: the gradient norm grew across the checked steps before the fault (with a held value
+  past 2^100 and finite, too): the learning-rate cut and safe mode of a rollback;
 * ``software``: non-finite on every replica from the job's first checked step, reproduced by the
   replay on every micro-batch: a bug, which no rollback fixes: stop with the evidence;
 * ``unknown``: none of these holds: the response as graded, samples blacklisted as configured.
@@ -58,9 +58,11 @@ class Signs:
     first_checked: bool = False
     """No checked step of this job came out clean before this one (the fault is there from the start)."""
     held_ranks: tuple[int, ...] = ()
-    """Ranks whose weights or optimizer state held NaN or Inf (a corruption of what they hold)."""
+    """Ranks whose weights or optimizer state held NaN, Inf or a value beyond 2^100 (a corruption of
+    what they hold, unless the gradients grew there: :attr:`held_extreme_only` with :attr:`growth`)."""
     held_extreme_only: bool = False
-    """Held values went beyond 2^100 but stayed finite (no NaN or Inf): a growth, not a corruption."""
+    """The held values went beyond 2^100 but stayed finite (no NaN or Inf): a bit flip of the top
+    exponent bit leaves that, and so does a growth, which the gradient norm's trail tells apart."""
     altered_ranks: tuple[int, ...] = ()
     """Ranks whose state changed between two updates (the state audit): nothing but a fault does that."""
     fed_ranks: tuple[int, ...] = ()
@@ -137,8 +139,9 @@ def classify(signs: Signs, replay: Optional[dict] = None) -> Cause:
     if signs.altered_ranks:
         return Cause("hardware", (f"the state of rank(s) {_ranks(signs.altered_ranks)} changed between two updates "
                                   "with no update in between",), "high", suspects)
-    if signs.held_ranks and not signs.held_extreme_only and not signs.fed_ranks:
-        evidence = [f"non-finite weights or optimizer state held on rank(s) {_ranks(signs.held_ranks)}"]
+    if signs.held_ranks and not signs.fed_ranks and not (signs.held_extreme_only and signs.growth):
+        what = "values beyond 2^100" if signs.held_extreme_only else "non-finite values"
+        evidence = [f"{what} in the weights or optimizer state held on rank(s) {_ranks(signs.held_ranks)}"]
         if signs.checked_every_step:
             evidence.append("every gradient applied to them was checked finite")
         if verdict == "deterministic":
@@ -148,7 +151,7 @@ def classify(signs: Signs, replay: Optional[dict] = None) -> Cause:
         return Cause("data", (f"rank(s) {_ranks(signs.fed_ranks)} fed token ids outside the vocabulary",), "high")
     if signs.replicas_disagree:
         return Cause("hardware", ("replicas that should agree bit for bit differ",), "high", suspects)
-    if signs.growth or signs.held_extreme_only:
+    if signs.growth:
         evidence = list(signs.growth) + (["a held value grew beyond 2^100 and stayed finite"]
                                          if signs.held_extreme_only else [])
         if verdict == "transient":

@@ -60,9 +60,8 @@ class StepFacts:
 def signs_of(step: int, reports: list[RankReport], origins: list[int], replicas: int, facts: StepFacts,
              kinds: tuple, total_norm: Optional[float], check_interval: int) -> Signs:
     """What the reports and the facts of the step say of the incident's cause (:class:`~megatron_patches.cause.Signs`)."""
-    def ranks_with(prefix: str, state: bool = False) -> tuple:
-        return tuple(sorted({r.rank for r in reports for f in r.held
-                             if any(x.startswith(prefix) for x in f.reasons) and (not state or f.nan or f.inf)}))
+    def ranks_with(prefix: str) -> tuple:
+        return tuple(sorted({r.rank for r in reports for f in r.held if any(x.startswith(prefix) for x in f.reasons)}))
     held = [f for r in reports for f in r.held if any(x.startswith("held:") for x in f.reasons)]
     outputs = ranks_with("activation:")
     growth = growth_of(facts.norm_trail, total_norm)
@@ -76,7 +75,7 @@ def signs_of(step: int, reports: list[RankReport], origins: list[int], replicas:
         devices = tuple(Device(rank, seen[rank].host, seen[rank].device) for rank in suspects_at
                         if seen.get(rank) is not None)
     return Signs(step=step, first_checked=facts.clean_before == 0,
-                 held_ranks=ranks_with("held:", state=True), held_extreme_only=bool(held) and not any(f.nan or f.inf for f in held),
+                 held_ranks=ranks_with("held:"), held_extreme_only=bool(held) and not any(f.nan or f.inf for f in held),
                  altered_ranks=ranks_with("altered:"), fed_ranks=ranks_with("input:"), origin_ranks=tuple(origins),
                  origin_replicas=replicas, replicas=max(1, facts.world.get("dp", 1) * facts.world.get("cp", 1)),
                  replicas_disagree="consistency" in kinds, checked_every_step=check_interval == 1,

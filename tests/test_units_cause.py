@@ -36,6 +36,7 @@ def test_a_corrupt_held_state_is_hardware_though_the_replay_reproduces_it():
 
 def test_a_held_state_that_unchecked_gradients_fed_is_hardware_with_less_confidence():
     cause = classify(Signs(step=7, held_ranks=(0,), checked_every_step=False))
+    assert cause.evidence == ("non-finite values in the weights or optimizer state held on rank(s) 0",)
     assert (cause.klass, cause.confidence) == ("hardware", "medium")
 
 
@@ -64,9 +65,13 @@ def test_growth_before_the_fault_is_numerics_and_a_flat_trail_is_not():
     assert classify(Signs(step=12), TRANSIENT).klass == "hardware"
 
 
-def test_an_adam_moment_grown_beyond_2_100_and_finite_is_numerics():
-    cause = classify(Signs(step=30, held_ranks=(), held_extreme_only=True))
-    assert cause.klass == "numerics" and "a held value grew beyond 2^100 and stayed finite" in cause.evidence
+def test_an_adam_moment_beyond_2_100_is_numerics_after_a_growth_and_hardware_without_one():
+    grown = classify(Signs(step=30, held_ranks=(1,), held_extreme_only=True, growth=("gradient norm rose 9x",)))
+    assert grown.klass == "numerics" and "a held value grew beyond 2^100 and stayed finite" in grown.evidence
+    # Negative control: the same value with a flat trail is a flipped top exponent bit.
+    flipped = classify(Signs(step=30, held_ranks=(1,), held_extreme_only=True))
+    assert flipped.klass == "hardware"
+    assert flipped.evidence[0] == "values beyond 2^100 in the weights or optimizer state held on rank(s) 1"
 
 
 def test_every_replica_from_the_first_check_reproduced_on_every_micro_batch_is_software():
