@@ -80,12 +80,17 @@ class ExitCodesConfig:
     on any failure, measured: docs/megatron_lm.md)."""
     peer_lost: int = field(default=87, metadata={"check": check.exit_status})
     """A peer died or went silent while the ranks agreed on an incident: restart like a lost node."""
+    fence: int = field(default=88, metadata={"check": check.exit_status})
+    """A device had ``response.hardware_repeat`` hardware-class incidents in the job: one line names
+    the host and device, the ledger's ``fenced`` holds them; restart the job without that node
+    (``scripts/slurm/guarded.sbatch`` requeues excluding it)."""
 
     def __post_init__(self) -> None:
-        codes = [self.rollback, self.stop, self.critical, self.peer_lost]
+        codes = [self.rollback, self.stop, self.critical, self.peer_lost, self.fence]
         if len(set(codes)) != len(codes):
             raise ConfigError(f"response.exit_codes: each outcome needs its own code, got rollback {self.rollback}, "
-                              f"stop {self.stop}, critical {self.critical}, peer_lost {self.peer_lost}")
+                              f"stop {self.stop}, critical {self.critical}, peer_lost {self.peer_lost}, "
+                              f"fence {self.fence}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +118,11 @@ class ResponseConfig:
     to rank 0, the decision broadcast back). When a peer died or stopped answering, every rank
     still alive exits with ``exit_codes.peer_lost`` (87) within this time instead of waiting for
     the process group's own timeout (Megatron's default: 10 minutes, then an abort)."""
+    hardware_repeat: int = field(default=2, metadata={"check": check.at_least_one})
+    """Hardware-class incidents (``cause.class: hardware``: a device's held state went bad with clean
+    gradients, replicas disagree, or a replay on the same rank is clean) that fence a device: the
+    n-th on one host and device in one job (the ledger counts across restarts) ends every rank with
+    ``exit_codes.fence`` and a line naming the host and device to exclude."""
     exit_codes: ExitCodesConfig = field(default_factory=ExitCodesConfig)
     """The process exit status of each way the guard ends a job, for the launcher to act on.
     Refusals at start (a bad config, ledger, drill or variant) always exit 2."""

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
+from .cause import Signs
 from .config import Config, ExitCodesConfig
 
 EXIT_ROLLBACK = 84
@@ -27,6 +28,10 @@ EXIT_PEER_LOST = 87
 (``response.peer_timeout_s``): nothing was decided, no ledger written. The job is broken, not
 the model: a launcher restarts it like any lost node (``scripts/restart_on_rollback.py`` does
 not; torchrun's elastic agent with ``--max-restarts`` does)."""
+EXIT_FENCE = 88
+"""A device had ``response.hardware_repeat`` hardware-class incidents in one job: every rank exits
+with this after one line names the host and device to exclude (the ledger's ``fenced``); restart
+the job without that node (``scripts/slurm/guarded.sbatch`` requeues excluding it)."""
 
 
 class Severity(enum.StrEnum):
@@ -53,6 +58,8 @@ class Action(enum.StrEnum):
     """A ``clip_grad_norm`` call without ``prepare_grads``: its gradients are zeroed."""
     ROLLBACK = "rollback"
     STOP = "stop"
+    FENCE = "fence"
+    """Stop every rank with ``response.exit_codes.fence``: a device to exclude (:data:`EXIT_FENCE`)."""
 
 
 @dataclass(frozen=True)
@@ -67,20 +74,24 @@ class Decision:
     """Whether the loop should replay the step before acting."""
     origins: tuple = ()
     """Global ranks whose gradients were non-finite before the data-parallel reduction."""
+    signs: Optional[Signs] = None
+    """What rank 0 observed of the incident, for its cause (:func:`megatron_patches.cause.classify`)."""
 
     @property
     def ends_run(self) -> bool:
-        """Whether this process cannot go on training after it (stop or roll back)."""
-        return self.action in (Action.STOP, Action.ROLLBACK)
+        """Whether this process cannot go on training after it (stop, fence or roll back)."""
+        return self.action in (Action.STOP, Action.ROLLBACK, Action.FENCE)
 
-    def escalated(self, reason: str) -> "Decision":
-        """The same incident as a critical stop, ``reason`` added to why."""
-        return Decision(Severity.CRITICAL, Action.STOP, f"{self.reason}; {reason}", self.step,
-                        origins=self.origins)
+    def escalated(self, reason: str, action: Action = Action.STOP) -> "Decision":
+        """The same incident as a critical stop (or fence), ``reason`` added to why."""
+        return Decision(Severity.CRITICAL, action, f"{self.reason}; {reason}", self.step,
+                        origins=self.origins, signs=self.signs)
 
 
 def exit_code(decision: Decision, codes: ExitCodesConfig = ExitCodesConfig()) -> int:
     """The process exit code that carries ``decision`` to the launcher (``response.exit_codes``)."""
+    if decision.action == Action.FENCE:
+        return codes.fence
     if decision.severity == Severity.CRITICAL:
         return codes.critical
     return codes.rollback if decision.action == Action.ROLLBACK else codes.stop

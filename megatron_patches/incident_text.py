@@ -194,10 +194,17 @@ def _recovered(rec: dict) -> list[str]:
     """What the executor did: the replay's verdict, Megatron's rerun, the rollback and restart."""
     done = []
     replay = rec.get("replay") if isinstance(rec.get("replay"), dict) else None
-    if replay and replay.get("verdict"):
+    cause = rec.get("cause") if isinstance(rec.get("cause"), dict) else None
+    if replay and replay.get("verdict") and cause is None:  # a record written before `cause` existed
         meaning = {"deterministic": "the same batch reproduced it: suspect data or code",
                    "transient": "the replay was clean: suspect hardware or a race"}.get(str(replay["verdict"]), "")
         done.append(f"replay {replay['verdict']}" + (f" ({meaning})" if meaning else ""))
+    elif replay and replay.get("verdict"):
+        done.append(f"replay {replay['verdict']}")
+    if cause is not None:
+        evidence = cause.get("evidence") if isinstance(cause.get("evidence"), list) else []
+        done.append(f"cause {text_of(cause.get('class'))} ({text_of(cause.get('confidence'))}: "
+                    f"{'; '.join(map(text_of, evidence)) or 'no evidence'})")
     rerun = rec.get("megatron_rerun") if isinstance(rec.get("megatron_rerun"), dict) else None
     if rerun and rerun.get("verdict"):
         done.append(f"Megatron's rerun in place: {rerun['verdict']}")

@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Optional
 
 from . import naming
+from .cause import Cause, Signs, classify
 from .decisions import Decision, Severity
 
 log = logging.getLogger("megatron_patches")
@@ -188,9 +189,13 @@ class Outcome:
     """The step whose clean check made the in-memory target a rollback target."""
     decision: Optional[Decision] = None
     """Set when the executor had to change the decision (no healthy checkpoint: a critical stop)."""
+    cause: Optional[Cause] = None
+    """The incident's cause as the executor classed it, with the replay's verdict (:mod:`~megatron_patches.cause`)."""
 
     def fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {"replay": self.replay, "blacklisted": list(self.blacklisted)}
+        if self.cause is not None:
+            out["cause"] = self.cause.record()
         for name in ("rolled_back_to", "checkpoint", "certified_at", "lr_scale", "forward_origin", "backward_origin"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
@@ -258,6 +263,8 @@ class Incident:
             ranks_affected=list(self.ranks_affected), world=dict(self.world), time=self.time,
             total_norm=self.total_norm, **self._optional(), reason=self.decision.reason,
             **copy.deepcopy(dict(self.extra)))
+        # Without the executor's outcome (no replay ran) the cause is what the signs alone say.
+        record["cause"] = classify(self.decision.signs or Signs(step=self.step)).record()
         if self.scene is not None:
             record["scene"] = self.scene
         if self.ledger is not None:

@@ -165,6 +165,8 @@ class Injector:
         self._log: dict[int, list[dict]] = {}  # step -> what fired at it on this rank
         self.hooked: "weakref.WeakSet[Any]" = weakref.WeakSet()
         """Modules given their forward/backward drill hooks (:func:`megatron_patches.forward_origin.attach_drills`)."""
+        self.poison_asked = False
+        """Whether the training loop asked :meth:`poisoned` (one that never does feeds no poison)."""
 
     def _note(self, step: int, entry: dict) -> None:
         entries = self._log.setdefault(step, [])
@@ -213,7 +215,7 @@ class Injector:
 
     def poisoned(self, samples: Iterable[int]) -> set[int]:
         """The sample indices among ``samples`` that a ``poison`` spec marks."""
-        samples = set(samples)
+        self.poison_asked, samples = True, set(samples)
         hit = {s.sample for s in self.specs if s.kind == "poison"} & samples
         if hit and self._clock is not None:
             step, rank = self._clock()

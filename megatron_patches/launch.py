@@ -15,6 +15,12 @@ learning rate (``megatron_patches.seams.megatron_lm_rollback``). A rollback is r
   ``rollback_requested`` is set and its rollback count went up during the attempt, the attempt
   ended in a rollback whatever status the launcher returned.
 
+A fence (a device with ``response.hardware_repeat`` hardware-class incidents: the ledger's
+``fenced`` set during the attempt, or the workers' exit 88) is never restarted here: the same node
+would meet the same device. The launcher ends with ``--fence-code`` (88) after one line naming the
+host and device, so that a scheduler requeues the job without that node
+(``scripts/slurm/guarded.sbatch``).
+
 Anything else (success, a stop with 85 or 86, a lost peer's 87, a crash) ends the launcher with
 the command's status. A rollback once the restart budget is spent ends it with the rollback's code
 (84 also when torchrun reported 1): ``--max-restarts 0`` runs the command once and tells a
@@ -34,7 +40,7 @@ import sys
 import time
 from typing import Optional
 
-from .decisions import EXIT_ROLLBACK
+from .decisions import EXIT_FENCE, EXIT_ROLLBACK
 from .ledger import LEDGER_FILE
 
 PROG = "megatron-patches launch"
@@ -109,11 +115,13 @@ def parse(argv: list[str], prog: Optional[str] = None) -> tuple[argparse.Namespa
     parser = argparse.ArgumentParser(
         prog=prog or PROG,
         description="Re-run a training command after a megatron_patches rollback (exit 84).",
-        usage="%(prog)s [--max-restarts N] [--checkpoint-dir DIR] [--restart-on CODES] -- COMMAND...")
+        usage="%(prog)s [--max-restarts N] [--checkpoint-dir DIR] [--fence-code CODE] [--restart-on CODES] -- COMMAND...")
     parser.add_argument("--max-restarts", type=int, default=3, metavar="N",
                         help="restarts allowed after the first run (default 3)")
     parser.add_argument("--checkpoint-dir", metavar="DIR",
                         help="where the ledger is (default: the command's --save, else --load)")
+    parser.add_argument("--fence-code", type=int, default=EXIT_FENCE, metavar="CODE",
+                        help=f"exit code of a fence, response.exit_codes.fence (default {EXIT_FENCE})")
     parser.add_argument("--restart-on", default=str(EXIT_ROLLBACK), metavar="CODES",
                         help="comma-separated exit codes that mean 'restart me' (default 84)")
     split = argv.index("--") if "--" in argv else len(argv)
@@ -150,6 +158,12 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
         requested = after.get("rollback_requested")
         ledger_says = bool(requested) and after.get("rollbacks", 0) > before.get("rollbacks", 0)
         took = f"{time.time() - started:.0f} s"
+        fenced = after.get("fenced")
+        if isinstance(fenced, dict) and (code == options.fence_code or fenced != before.get("fenced")):
+            say(f"attempt {restarts + 1}: fence: exclude host {fenced.get('host')} device {fenced.get('device')} "
+                f"({fenced.get('incidents')} hardware-class incidents; exit {code}, {took}); stopping with "
+                f"{options.fence_code}")
+            return options.fence_code
         if code == 0:
             say(f"attempt {restarts + 1} finished (exit 0, {took})")
             return 0

@@ -1,8 +1,9 @@
 """The ledger kept next to the checkpoints: what survives a restart of the job.
 
 Blacklisted samples, the rollbacks done (against ``recovery.max_rollbacks``), the learning-rate
-scale, the features switched off, the drills already rehearsed, a pending rollback request and
-the events of the job's recoveries. One JSON file, written atomically by rank 0; a ledger that
+scale, the features switched off, the drills already rehearsed, a pending rollback request, the
+events of the job's recoveries, each device's hardware-class incidents (against
+``response.hardware_repeat``), the device fenced, and the rollback targets disqualified. One JSON file, written atomically by rank 0; a ledger that
 cannot be applied (not JSON, wrong schema, a field of the wrong type) is refused with one line.
 """
 
@@ -34,6 +35,12 @@ class Ledger:
     rollback_requested: Optional[dict] = None
     """Set by the exit-and-restart path: {"from_step", "reason"}; cleared once resumed."""
     events: list = field(default_factory=list)
+    hardware: list = field(default_factory=list)
+    """Hardware-class incidents, one ``{"host", "device", "rank", "step"}`` per device they pointed at."""
+    fenced: Optional[dict] = None
+    """The device that reached ``response.hardware_repeat``: ``{"host", "device", "rank", "step", "incidents"}``."""
+    disqualified: list = field(default_factory=list)
+    """Rollback targets (steps) whose redo met the same fault again: never taken again, nor any newer."""
 
     @staticmethod
     def path(checkpoint_root: str) -> str:
@@ -93,6 +100,20 @@ class Ledger:
                 and not self._switched_off_by_next(recovery)
                 and sorted(skipped) == sorted(last.get("skip_iterations", [])))
 
+    def count_hardware(self, devices: Iterable[Any], step: int, interval: int = 1) -> list[tuple[Any, int]]:
+        """One hardware-class incident at ``step`` on each of ``devices``
+        (:class:`~megatron_patches.cause.Device`); returns each with its count in the job so far. An
+        incident on the checked step right after the device's last one (``interval``: the check
+        interval) continues that fault and is not counted again."""
+        counted = []
+        for device in devices:
+            mine = [e for e in self.hardware if (e["host"], e["device"]) == (device.host, device.device)]
+            if not mine or not 0 < step - mine[-1]["step"] <= interval:
+                self.hardware.append({"host": device.host, "device": device.device, "rank": device.rank, "step": step})
+                mine.append(self.hardware[-1])
+            counted.append((device, len(mine)))
+        return counted
+
     def _lr_scale_after_next(self, recovery: Any) -> float:
         return max(self.lr_scale * recovery.lr_factor, recovery.lr_floor)
 
@@ -118,6 +139,14 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _device_entry(value: Any, more: tuple = ()) -> bool:
+    """Whether ``value`` is one device's entry: exactly host, device (strings), rank, step and ``more`` (integers >= 0)."""
+    numbers = ("rank", "step") + more
+    return (isinstance(value, dict) and set(value) == {"host", "device", *numbers}
+            and isinstance(value["host"], str) and isinstance(value["device"], str)
+            and all(_is_int(value[n]) and value[n] >= 0 for n in numbers))
+
+
 def _ledger_problem(data: dict) -> Optional[str]:
     """What is wrong with a ledger's fields (schema already removed), or None."""
     known = {f.name for f in fields(Ledger)}
@@ -136,6 +165,12 @@ def _ledger_problem(data: dict) -> Optional[str]:
                              "a list of strings"),
         "rollback_requested": (lambda v: v is None or isinstance(v, dict), "an object or null"),
         "events": (lambda v: isinstance(v, list) and all(isinstance(i, dict) for i in v), "a list of objects"),
+        "hardware": (lambda v: isinstance(v, list) and all(_device_entry(i) for i in v),
+                     'a list of {"host": string, "device": string, "rank": integer >= 0, "step": integer >= 0}'),
+        "fenced": (lambda v: v is None or (_device_entry(v, ("incidents",)) and v["incidents"] >= 1),
+                   'null or {"host", "device", "rank", "step", "incidents" >= 1}'),
+        "disqualified": (lambda v: isinstance(v, list) and all(_is_int(i) and i >= 0 for i in v),
+                         "a list of non-negative integers (checkpoint steps)"),
     }
     for name, value in data.items():
         ok, expected = checks[name]

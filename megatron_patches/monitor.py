@@ -31,6 +31,7 @@ from .collectives import PeerLost
 from .config import Config
 from .decisions import Action, Decision, exit_code
 from .detectors import audit
+from .errors import exit_refused
 from .incidents import Outcome
 from .protocols import PreReduction, Seams
 from .run_state import RunState
@@ -156,6 +157,13 @@ class GradMonitor:
     def _refuse_at_start(self, optimizer: Any) -> None:
         """Drills that cannot act, and a state audit where it cannot hold, stop every rank (exit 2)."""
         run = self.state
+        poison = [spec.text for spec in run.drills.specs if spec.kind == "poison"]
+        if poison and not run.drills.poison_asked:  # the same on every rank: the loop's code, not its data
+            if self.rank == 0:
+                log.error("drill(s) %s cannot act: this training loop feeds no poisoned sample (the tiny-GPT harness "
+                          "does; Megatron-LM's loop does not); rehearse a bad batch with an input drill instead, e.g. "
+                          "bitflip:step=3,phase=input,module=embedding.word_embeddings,bit=30", ", ".join(map(repr, poison)))
+            exit_refused(self.rank)
         inject.refuse_unmatched(run.drills, run.model_chunks.chunks_for(optimizer), self.rank,
                                 run.seams.current_grads(optimizer, run.stage.entries_for(optimizer)),
                                 run.seams.parallel_state())
@@ -216,6 +224,7 @@ class GradMonitor:
         run.origin.commit(accepted=not verdict.flagged)
         if not verdict.flagged:
             run.stage.commit(verdict, accepted=True)
+            run.norm_trail.append(verdict.ctx.total_norm)
             return False
         self._incident(verdict, action, before)
         run.stage.commit(verdict, accepted=False)
@@ -321,6 +330,7 @@ class GradMonitor:
         """After an in-process rollback: grading counts afresh, and drills that began are over."""
         self.state.rollbacks = rollbacks
         self.state.responder.policy.reset()
+        self.state.norm_trail.clear()
         self.state.drills.spend_started()
         for detector in self.state.detectors:
             detector.forget()

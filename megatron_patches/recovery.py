@@ -14,14 +14,17 @@ The in-process chain (:data:`IN_PROCESS_STEPS`), as pseudocode::
 
     episode = Episode(step, decision, samples)      # decision: the same on every rank
     replay          # decision.replay: deterministic (samples that reproduced it) | transient
-    blacklist       # what reproduced it; on a rollback with blacklist: always, the episode's samples
+    classify        # the cause: data | hardware | numerics | software | unknown (cause.classify)
+    follow_cause    # software -> a stop with the evidence; hardware, held state corrupt -> roll back now
+    blacklist       # data, unknown: what reproduced it; on a rollback with blacklist: always, the episode's samples
+    count_device    # hardware: the device counted in the ledger; response.hardware_repeat of them -> fence
     refuse_repeat   # rollback: one that would redo the last to no purpose (same step, nothing cut) -> critical
-    restore_target  # rollback: load the newest healthy target; none -> a critical stop
+    restore_target  # rollback: the newest healthy target not disqualified; none -> a critical stop
     cut_lr          # rollback: ledger count + 1, lr_scale = max(lr_scale * lr_factor, lr_floor)
     safe_mode       # rollback: switch off recovery.disable_features (and the later stages')
     record_rollback # rollback: the ledger's event, saved; grading starts afresh
     publish         # the incident's record, with the outcome, written once (rank 0)
-    stop            # a stop decision (or one the chain escalated): every rank exits
+    stop            # a stop or fence decision (or one the chain escalated): every rank exits
 
 A loop that restores from somewhere else composes its own chain from the same steps. Both
 executors end the process through ``monitor.exit(decision)``, which takes the exit code from
@@ -35,8 +38,10 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Protocol
 
-from . import checkpoint, collectives, forward_origin, safe_mode
+from . import collectives, forward_origin, safe_mode
 from .callbacks import Callback
+from .cause import Cause
+from .cause_response import BLACKLISTING, cause_of, classify_step, count_device, follow_cause, restore_target, settle_cause
 from .decisions import Action, Decision, exit_code
 from .incidents import IN_MEMORY, Incident, Outcome
 from .ledger import Ledger
@@ -85,6 +90,8 @@ class Episode:
     """Features this rollback switches off for the first time."""
     resume_at: Optional[int] = None
     """After a rollback: the step the loop goes on from."""
+    cause: Optional[Cause] = None
+    """The incident's cause (:func:`~megatron_patches.cause_response.classify_step`)."""
 
     @property
     def rolls_back(self) -> bool:
@@ -109,7 +116,9 @@ def replay(run: "InProcessRecovery", episode: Episode) -> Episode:
     incident = monitor.last_incident
     if again["flagged"]:
         first = incident.first_name if incident is not None else None
-        verdict = {"verdict": "deterministic", "same_parameter": again["first"] == first, "first": again["first"]}
+        bad = set(again["bad_samples"])
+        verdict = {"verdict": "deterministic", "same_parameter": again["first"] == first, "first": again["first"],
+                   "narrowed": bool(bad) and len(bad) < len(set(episode.samples))}
         reproduced = tuple(again["bad_samples"] or episode.samples)
     else:
         ranks = sorted(set(incident.ranks_affected)) if incident is not None else []
@@ -120,11 +129,12 @@ def replay(run: "InProcessRecovery", episode: Episode) -> Episode:
 
 
 def blacklist(run: "InProcessRecovery", episode: Episode) -> Episode:
-    """The samples never to feed again: those the replay reproduced the fault with, and on a
-    rollback under ``blacklist: always`` every sample of the episode. Outside a rollback they go
-    into the ledger now (a rollback records them with its own count)."""
-    samples = set(episode.reproduced)
-    if episode.rolls_back and run.config.blacklist == "always":
+    """The samples never to feed again where the cause is data or unknown: those the replay
+    reproduced the fault with, and on a rollback under ``blacklist: always`` every sample of the
+    episode (no sample of a hardware, numerics or software cause: they are innocent). Outside a
+    rollback they go into the ledger now (a rollback records them with its own count)."""
+    samples = set(episode.reproduced) if cause_of(episode) in BLACKLISTING else set()
+    if episode.rolls_back and run.config.blacklist == "always" and cause_of(episode) in BLACKLISTING:
         samples |= set(run.episode_samples)
     episode = replace(episode, outcome=replace(episode.outcome, blacklisted=tuple(sorted(samples))))
     if samples and not episode.rolls_back:
@@ -155,20 +165,6 @@ def refuse_repeat(run: "InProcessRecovery", episode: Episode) -> Episode:
     return replace(episode, decision=stop, outcome=replace(outcome, decision=stop))
 
 
-def restore_target(run: "InProcessRecovery", episode: Episode) -> Episode:
-    """Load the newest healthy checkpoint; with none the rollback becomes a critical stop."""
-    if not episode.rolls_back:
-        return episode
-    target = checkpoint.newest_healthy(run.loop.checkpoint_root)
-    if target is None:
-        stop = episode.decision.escalated("no healthy checkpoint to roll back to")
-        return replace(episode, decision=stop, outcome=replace(episode.outcome, decision=stop))
-    healthy_step, path = target
-    resumed = run.loop.load_checkpoint(path)
-    outcome = replace(episode.outcome, rolled_back_to=healthy_step, checkpoint=path)
-    return replace(episode, outcome=outcome, resume_at=resumed + 1)
-
-
 def cut_lr(run: "InProcessRecovery", episode: Episode) -> Episode:
     """One more rollback in the ledger: its count, the blacklist, the learning-rate scale
     (``lr_factor``, never under ``lr_floor``), and the features it switches off."""
@@ -197,7 +193,7 @@ def record_rollback(run: "InProcessRecovery", episode: Episode) -> Episode:
         extra["target_certified_at"] = outcome.certified_at
     ledger.events.append({"step": episode.step, "rolled_back_to": outcome.rolled_back_to,
                           "lr_scale": ledger.lr_scale, "blacklisted": len(outcome.blacklisted),
-                          "reason": episode.decision.reason, **extra})
+                          "reason": episode.decision.reason, "cause": cause_of(episode), **extra})
     run.save_ledger()
     run.monitor.new_episode(ledger.rollbacks)
     run.episode_samples = []
@@ -217,14 +213,15 @@ def publish(run: "InProcessRecovery", episode: Episode) -> Episode:
 
 
 def stop(run: "InProcessRecovery", episode: Episode) -> Episode:
-    """A stop decision, or one a step escalated: every rank ends here (``monitor.exit``)."""
-    if episode.decision.action == Action.STOP:
+    """A stop or fence decision, or one a step escalated: every rank ends here (``monitor.exit``)."""
+    if episode.decision.action in (Action.STOP, Action.FENCE):
         run.monitor.exit(episode.decision)
     return episode
 
 
 IN_PROCESS_STEPS: tuple[RecoveryStep, ...] = (
-    replay, blacklist, refuse_repeat, restore_target, cut_lr, safe_mode_step, record_rollback, publish, stop)
+    replay, classify_step, follow_cause, blacklist, count_device, refuse_repeat, restore_target, cut_lr,
+    safe_mode_step, record_rollback, publish, stop)
 """The in-process chain, in order (the module's pseudocode)."""
 
 
@@ -283,13 +280,14 @@ class ExitAndRestart(Callback):
     """For loops that cannot be re-entered (Megatron-LM's ``pretrain_gpt.py``): on a rollback
     decision rank 0 writes the ledger and every rank exits with ``response.exit_codes.rollback``; the launcher
     restarts the job, which loads the newest healthy checkpoint and applies the ledger. The one
-    writer of that ledger; ``request_fields`` (the integration's) adds to its rollback request."""
+    writer of that ledger; ``request_fields`` (the integration's) adds to its rollback request,
+    told whether the incident's cause blacklists its samples (data or unknown)."""
 
     in_process = False
     replays = False
 
     def __init__(self, monitor: Guard, checkpoint_root: str,
-                 request_fields: Optional[Callable[[], dict]] = None):
+                 request_fields: Optional[Callable[[bool], dict]] = None):
         self.monitor = monitor
         self.checkpoint_root = checkpoint_root
         self.ledger_path = os.path.abspath(Ledger.path(checkpoint_root))
@@ -302,6 +300,10 @@ class ExitAndRestart(Callback):
         monitor.drills.spend(self.ledger.spent_injections)
         monitor.add_callback(self)
         monitor.attach(self, self.ledger.rollbacks)
+
+    def wants_replay(self, decision: Decision) -> bool:
+        """A rollback's record waits for :meth:`settle_exit`: its cause may make it a fence."""
+        return decision.action == Action.ROLLBACK
 
     def on_decision(self, decision: Decision, incident: Optional[Incident]) -> None:
         """Rank 0 collects the episode's samples from the incident (every rank's)."""
@@ -316,15 +318,23 @@ class ExitAndRestart(Callback):
         if exit_code(decision, codes) != codes.rollback:
             return decision
         fired = self._fired_anywhere()  # every rank: the drills a restart must not rehearse again
+        # Every rank: the cause from the signs (no replay here), the device counted, a fence where due.
+        decision, cause, blacklisting = settle_cause(self.ledger, decision, self.monitor.config, self.monitor.rank)
         if self.monitor.rank != 0:
             return decision
-        # The loop that reads the ledger at start-up switches the features off.
-        self.ledger.record_rollback(self.config, self.episode_samples if self.config.blacklist == "always" else [])
-        fields = self._request_fields() if self._request_fields is not None else {}
-        self.ledger.rollback_requested = {"from_step": self.monitor.step, **fields}
         self.ledger.spent_injections = sorted(set(self.ledger.spent_injections) | fired)
+        if decision.action == Action.FENCE:
+            self._save_event(f"the fence of host {self.ledger.fenced['host']} device {self.ledger.fenced['device']}")
+            self.monitor.resolve(Outcome(cause=cause, decision=decision))  # the held record, now a fence
+            return decision
+        samples = self.episode_samples if self.config.blacklist == "always" and blacklisting else []
+        self.monitor.resolve(Outcome(cause=cause, blacklisted=tuple(samples)))
+        # The loop that reads the ledger at start-up switches the features off.
+        self.ledger.record_rollback(self.config, samples)
+        fields = self._request_fields(blacklisting) if self._request_fields is not None else {}
+        self.ledger.rollback_requested = {"from_step": self.monitor.step, **fields}
         self.ledger.events.append({"step": self.monitor.step, "exit": codes.rollback, "lr_scale": self.ledger.lr_scale,
-                                   "blacklisted": len(self.episode_samples),
+                                   "blacklisted": len(samples), "cause": cause.klass,
                                    **({"skip_iterations": fields["skip_iterations"]} if "skip_iterations" in fields else {})})
         try:
             self.ledger.save(self.checkpoint_root)

@@ -188,10 +188,75 @@ def format_table(incidents: list[dict]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
+CAUSE_ORDER = ("software", "hardware", "data", "numerics", "unknown")
+"""The order the verdict weighs cause classes in: what ends a job for a person to act on comes first."""
+
+
+def cause_of(rec: dict) -> tuple[str, list[str]]:
+    """(cause class, devices as ``host device``) of a record; a record without ``cause`` (written
+    before it existed) is ``unknown``. The devices are the cause's own (hardware), else where the
+    fault was named first."""
+    cause = rec.get("cause") if isinstance(rec.get("cause"), dict) else {}
+    klass = cause.get("class") if cause.get("class") in CAUSE_ORDER else "unknown"
+    devices = [f"{text_of(d.get('host'))} {text_of(d.get('device'))}" for d in cause.get("devices") or []
+               if isinstance(d, dict)]
+    first = rec.get("first") if isinstance(rec.get("first"), dict) else None
+    if not devices and first is not None and first.get("host") is not None:
+        devices = [f"{text_of(first.get('host'))} {text_of(first.get('device'))}"]
+    return klass, devices or ["-"]
+
+
+def groups(incidents: list[dict]) -> list[dict[str, Any]]:
+    """Incidents grouped by cause class and device: ``{"cause", "device", "count", "steps"}``, in the
+    verdict's order of classes, then by count."""
+    found: dict[tuple[str, str], list] = {}
+    for rec in incidents:
+        klass, devices = cause_of(rec)
+        for device in devices:
+            found.setdefault((klass, device), []).append(rec.get("step"))
+    rows = [{"cause": k, "device": d, "count": len(steps), "steps": steps} for (k, d), steps in found.items()]
+    return sorted(rows, key=lambda g: (CAUSE_ORDER.index(g["cause"]), -g["count"], g["device"]))
+
+
+def verdict(incidents: list[dict]) -> str:
+    """The report's first line: what happened to the run, and what to do, in one line."""
+    if not incidents:
+        return "verdict: no incidents"
+    fenced = [r for r in incidents if r.get("action") == "fence"]
+    if fenced:
+        _, devices = cause_of(fenced[-1])
+        hardware = [g for g in groups(incidents) if g["cause"] == "hardware" and g["device"] == devices[0]]
+        count = hardware[0]["count"] if hardware else 1
+        return (f"verdict: hardware: device {devices[0]} fenced after {count} hardware-class incident(s); "
+                f"restart the job without host {devices[0].split(' ', 1)[0]}")
+    by_class = Counter(cause_of(r)[0] for r in incidents)
+    if by_class["software"]:
+        return (f"verdict: software: a fault on every replica from the first checked step ({by_class['software']} "
+                "incident(s)); fix the code or setup, a restart meets it again")
+    top = min(by_class, key=lambda k: (-by_class[k], CAUSE_ORDER.index(k)))
+    rest = ", ".join(f"{k} {by_class[k]}" for k in CAUSE_ORDER if by_class[k] and k != top)
+    line = f"verdict: {len(incidents)} incident(s), most of them {top} ({by_class[top]})" + (f"; {rest}" if rest else "")
+    hardware = [g for g in groups(incidents) if g["cause"] == "hardware" and g["device"] != "-"]
+    if hardware:
+        line += f"; hardware most on {hardware[0]['device']} ({hardware[0]['count']})"
+    last = incidents[-1]
+    if last.get("action") in ("stop", "fence") or last.get("severity") == "critical":
+        line += f"; the run stopped at step {text_of(last.get('step'))}"
+    return line
+
+
+def format_groups(incidents: list[dict]) -> str:
+    rows = [["cause", "device", "incidents", "steps"]] + [
+        [g["cause"], g["device"], str(g["count"]), ", ".join(text_of(s) for s in g["steps"])] for g in groups(incidents)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
 def format_text(report: Report) -> str:
     if not report.incidents:
-        return f"no incidents in {report.directory}"
-    blocks = [format_table(report.incidents), ""]
+        return f"{verdict([])}\nno incidents in {report.directory}"
+    blocks = [verdict(report.incidents), "", "by cause and device:", format_groups(report.incidents), "",
+              format_table(report.incidents), ""]
     for rec in report.incidents:
         blocks.extend(diagnosis(rec) + [""])
     blocks.append(_counts_line(report.incidents))
@@ -208,11 +273,14 @@ def summary(report: Report) -> dict[str, Any]:
     """The machine-readable form printed by ``report --json``."""
     return {
         "directory": report.directory,
+        "verdict": verdict(report.incidents),
+        "groups": groups(report.incidents),
         "counts": {
             "total": len(report.incidents),
             "severity": dict(Counter(str(r.get("severity")) for r in report.incidents)),
             "kind": dict(Counter(str(r.get("kind")) for r in report.incidents)),
             "action": dict(Counter(str(r.get("action")) for r in report.incidents)),
+            "cause": dict(Counter(cause_of(r)[0] for r in report.incidents)),
         },
         "incidents": report.incidents,
         "problems": [{"file": p.path, "line": p.line, "message": p.message} for p in report.problems],

@@ -13,16 +13,17 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, NoReturn, Optional
 
 from . import naming
+from .cause import Device, Signs, growth_of
 from .check import Verdict
 from .collectives import BoundedGroup, broadcast_from_zero, gather_reports
 from .config import Config
 from .decisions import EXIT_PEER_LOST, Action, Decision, GradePolicy, Severity
 from .detectors import Detector
-from .findings import RankReport, RecordFields, assemble, local_findings, origins_of
+from .findings import RankReport, RecordFields, assemble, local_findings, origins_of, replica_of
 from .incidents import Incident, finite_or_none, first_of
 
 log = logging.getLogger("megatron_patches")
@@ -50,6 +51,35 @@ class StepFacts:
     cause: Optional[Any] = None
     """What made the step an incident beside its gradients (a
     :class:`~megatron_patches.seams.loss_scale.ScalerEvent`), the same on every rank."""
+    clean_before: int = 1
+    """Checked steps of the job that came out clean before this one (0: the fault is there from the start)."""
+    norm_trail: tuple = ()
+    """The gradient norms of the last clean checked steps, oldest first (:func:`~megatron_patches.cause.growth_of`)."""
+
+
+def signs_of(step: int, reports: list[RankReport], origins: list[int], replicas: int, facts: StepFacts,
+             kinds: tuple, total_norm: Optional[float], check_interval: int) -> Signs:
+    """What the reports and the facts of the step say of the incident's cause (:class:`~megatron_patches.cause.Signs`)."""
+    def ranks_with(prefix: str) -> tuple:
+        return tuple(sorted({r.rank for r in reports for f in r.held if any(x.startswith(prefix) for x in f.reasons)}))
+    held = [f for r in reports for f in r.held if any(x.startswith("held:") for x in f.reasons)]
+    outputs = ranks_with("activation:")
+    growth = growth_of(facts.norm_trail, total_norm)
+    if outputs:
+        growth += (f"a module's output stood far above its history on rank(s) {list(outputs)}",)
+    replica = replica_of(reports)
+    suspects_at = origins or sorted({r.rank for r in reports if r.findings})
+    devices: tuple = ()
+    if suspects_at and len({replica.get(r, r) for r in suspects_at}) == 1:
+        seen = {r.rank: next(iter(r.held + r.pre_reduction + r.jumped + r.findings), None) for r in reports}
+        devices = tuple(Device(rank, seen[rank].host, seen[rank].device) for rank in suspects_at
+                        if seen.get(rank) is not None)
+    return Signs(step=step, first_checked=facts.clean_before == 0,
+                 held_ranks=ranks_with("held:"), held_extreme_only=bool(held) and not any(f.nan or f.inf for f in held),
+                 altered_ranks=ranks_with("altered:"), fed_ranks=ranks_with("input:"), origin_ranks=tuple(origins),
+                 origin_replicas=replicas, replicas=max(1, facts.world.get("dp", 1) * facts.world.get("cp", 1)),
+                 replicas_disagree="consistency" in kinds, checked_every_step=check_interval == 1,
+                 growth=growth, suspects=devices)
 
 
 def no_megatron_fields(everyone: list[RankReport], extra: dict) -> tuple[dict, str]:
@@ -70,6 +100,9 @@ def decide(verdict: Verdict, reports: list[RankReport], policy: GradePolicy, fac
     else:  # direct clip_grad_norm callers: nothing to skip, gradients are zeroed
         decision = Decision(Severity.WARNING, facts.action, "checked in clip_grad_norm", ctx.step,
                             origins=tuple(origins))
+    signs = signs_of(ctx.step, reports, origins, replicas, facts, tuple(verdict.kinds), ctx.total_norm,
+                     policy.check_interval)
+    decision = replace(decision, signs=signs)
     incident = assemble(ctx, reports, decision, kinds=verdict.kinds, extra=dict(facts.extra),
                         batch_info=facts.batch_info, record_fields=record_fields, checked=facts.checked,
                         world=facts.world, cause=facts.cause)
@@ -94,7 +127,8 @@ class Responder:
         self.policy = GradePolicy(config)
 
     def agree(self, verdict: Verdict, report: RankReport, *, action: Action, batch_info: Mapping[str, Any],
-              rollbacks: int, can_replay: bool, cause: Optional[Any] = None) -> tuple[Decision, Optional[Incident]]:
+              rollbacks: int, can_replay: bool, cause: Optional[Any] = None, clean_before: int = 1,
+              norm_trail: tuple = ()) -> tuple[Decision, Optional[Incident]]:
         """Call on every rank with this rank's ``report``. Rank 0 takes in the reports of the ranks
         that report (:meth:`~megatron_patches.findings.RankReport.reports`), not every rank's, and
         decides (:func:`decide`). Returns the decision everywhere and the incident on rank 0.
@@ -107,7 +141,7 @@ class Responder:
                 world = naming.world_layout(self.parallel_state())
                 facts = StepFacts(checked=checked, world=world, action=action, rollbacks=rollbacks,
                                   can_replay=can_replay, batch_info=batch_info, extra=self._extra(verdict),
-                                  cause=cause)
+                                  cause=cause, clean_before=clean_before, norm_trail=norm_trail)
                 decision, incident = decide(verdict, everyone, self.policy, facts, self.megatron_fields)
                 log.warning("step %d: %s: %s -> %s (%s)", ctx.step, decision.severity, incident.message,
                             decision.action, decision.reason)

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from . import collectives, detectors as detector_plugins, inject
+from . import cause, collectives, detectors as detector_plugins, inject
 from .callbacks import Callback
 from .check import CheckStage, resolve_overflow_mode
 from .config import Config
@@ -121,6 +122,9 @@ class RunState:
     last_total_norm: Optional[float] = None
     checked_norm: Optional[Any] = None
     """The last check's total norm (a device tensor), until Megatron's get_grad_norm takes it (served_norm)."""
+    norm_trail: deque = field(default_factory=lambda: deque(maxlen=cause.TRAIL))
+    """The total gradient norms of the last clean checked steps since the last rollback (a growth
+    before a fault is a sign of numerics: :func:`~megatron_patches.cause.growth_of`)."""
     last_layer_norms: dict[str, float] = field(default_factory=dict)
     """Per-layer gradient norms of the last checked step (keys as in grad_history.jsonl)."""
     decision: Optional[Decision] = None

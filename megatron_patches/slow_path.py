@@ -33,10 +33,13 @@ def handle_incident(state: RunState, verdict: Verdict, action: Action, before: P
     step an incident."""
     rank = collectives.rank()
     report, findings = rank_report(state, verdict, before, rank)
+    counters = state.counters  # this check is counted, the incident not yet
     try:
         decision, incident = state.responder.agree(
             verdict, report, action=action, batch_info=state.batch.info, rollbacks=state.rollbacks,
-            can_replay=getattr(state.executor, "replays", False), cause=cause)
+            can_replay=getattr(state.executor, "replays", False), cause=cause,
+            clean_before=max(0, counters["checked_steps"] - 1 - counters["incidents"]),
+            norm_trail=tuple(state.norm_trail))
     except PeerLost as error:
         peer_lost(state, verdict.ctx.step, error)
     state.decision = decision

@@ -24,10 +24,13 @@ DRILLS = {  # step -> (spec, what the record must name as altered)
 
 def dp2_run(where, audited: bool):
     """DP2, bf16, distributed optimizer (rank 0's shard holds FC1); a checkpoint two steps before
-    each drill is the rollback target."""
+    each drill is the rollback target. The three drills are hardware-class faults on one device, which
+    would fence it at the second (``response.hardware_repeat`` 2, tests/test_cause.py): this test is
+    about the audit finding each, so it allows ten."""
     config = where / "guard.yaml"
     config.write_text(f"detectors: {{audit: {{enabled: {str(audited).lower()}}}}}\n"
-                      "recovery: {max_rollbacks: 10, lr_factor: 1.0}\n")
+                      "recovery: {max_rollbacks: 10, lr_factor: 1.0}\n"
+                      "response: {hardware_repeat: 10}\n")  # three faults on rank 0's device: not fenced here
     drills = [arg for spec, _ in DRILLS.values() for arg in ("--inject", spec)]
     return run_tiny(where / "out", "--steps", "42", "--precision", "bf16", "--distributed-optimizer",
                     "--save-interval", "6", "--save-from", "23", "--config", str(config), *drills, nproc=2)

@@ -406,7 +406,7 @@ def test_the_runbook_has_a_row_for_every_exit_code():
 
 @pytest.mark.one_line
 def test_an_exit_code_without_a_row_fails_the_runbook_check():
-    assert runbook_gaps({**exit_codes(), "fence": 99}) == ["no runbook row for fence (99)"]
+    assert runbook_gaps({**exit_codes(), "spare": 99}) == ["no runbook row for spare (99)"]
 
 
 # --- the Python it needs, said once -----------------------------------------------------------------

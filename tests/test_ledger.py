@@ -188,3 +188,21 @@ def test_launcher_runs_with_a_valid_or_missing_ledger(tmp_path):
                                sys.executable, "-c", "print('the job ran')"],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and "the job ran" in proc.stdout, proc.stderr
+
+
+def test_restart_on_rollback_never_restarts_a_fence_and_names_the_host_and_device(tmp_path):
+    """A command whose workers fenced a device (the ledger's ``fenced`` set, torchrun's own exit 1): the
+    launcher stops with the fence code after one line naming the host and device, with no second attempt."""
+    fenced = {"host": "node7", "device": "cuda:3", "rank": 3, "step": 15, "incidents": 2}
+    writer = ("import json, sys; json.dump({'schema': %r, 'rollbacks': 1, 'fenced': %r}, open(sys.argv[1], 'w')); "
+              "sys.exit(1)" % (LEDGER_SCHEMA, fenced))
+    proc = subprocess.run([sys.executable, LAUNCHER, "--max-restarts", "3", "--checkpoint-dir", str(tmp_path), "--",
+                           sys.executable, "-c", writer, str(tmp_path / LEDGER_FILE)], capture_output=True, text=True)
+    assert proc.returncode == 88, proc.stderr
+    assert ("fence: exclude host node7 device cuda:3 (2 hardware-class incidents; exit 1" in proc.stderr
+            and "attempt 2" not in proc.stderr)
+    # Negative control: the same exit with no fence in the ledger is no fence (a crash: its own status).
+    os.remove(tmp_path / LEDGER_FILE)
+    plain = subprocess.run([sys.executable, LAUNCHER, "--max-restarts", "0", "--checkpoint-dir", str(tmp_path / "none"),
+                            "--", sys.executable, "-c", "raise SystemExit(1)"], capture_output=True, text=True)
+    assert plain.returncode == 1 and "fence" not in plain.stderr

@@ -779,6 +779,47 @@ def test_a_refused_variant_stops_the_job_before_its_model_is_built_with_exit_2_a
     assert iterations(output) == {}
 
 
+@pytest.mark.slow  # make test-all: about 70 s on 2 CPU cores; the harness fences in the default run (test_cause.py)
+@pytest.mark.multiproc
+def test_a_device_whose_adam_state_goes_bad_twice_is_fenced_across_a_restart_with_88(loop_kind, request, tmp_path):
+    """Megatron-LM's loop, DP2 bf16 with the distributed optimizer, under the launcher: a NaN written into rank 0's
+    exp_avg_sq at iteration 3 is hardware (no iteration skipped, none blacklisted) and rolls back by restart; the
+    ledger carries the device's count into the restarted job, where the second corruption (iteration 9) fences it:
+    every rank exits 88, one line names the host and device, and the launcher stops with 88 instead of restarting."""
+    loop, save = make_loop(loop_kind, request, tmp_path, only="pretrain"), tmp_path / "ckpt"
+    drills = [f"nan:step={step},phase=state,slot=exp_avg_sq,param={FC1},rank=0" for step in (3, 9)]
+    command = loop.command("--save", str(save), "--load", str(save), "--save-interval", "2", "--train-iters", "14",
+                           "--bf16", "--use-distributed-optimizer", *loop.checkpoint_format())
+    proc = subprocess.run([sys.executable, str(LAUNCHER), "--max-restarts", "3", "--", *command], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=900, cwd=REPO, env=guard_env(tmp_path, inject=drills))
+    assert proc.returncode == 88, proc.stdout[-6000:]
+    records = incidents(tmp_path)
+    assert {r["cause"]["class"] for r in records} == {"hardware"} and records[-1]["action"] == "fence"
+    device = records[-1]["cause"]["devices"][0]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[megatron_patches] fence: exclude")]
+    assert lines == [f"[megatron_patches] fence: exclude host {device['host']} device {device['device']} (rank 0): "
+                     f"2 hardware-class incidents in this job, at steps [5, 11]; every rank exits with 88"], lines
+    assert "[restart_on_rollback] attempt 2: fence: exclude host" in proc.stdout and "attempt 3" not in proc.stdout
+    ledger = Ledger.load(str(save))
+    assert ledger.blacklist == [] and ledger.events[0]["skip_iterations"] == [] and ledger.fenced["incidents"] == 2
+
+
+@pytest.mark.multiproc
+def test_a_poison_drill_megatron_lms_loop_cannot_feed_is_refused_at_start_with_one_line(loop_kind, request, tmp_path):
+    """Megatron-LM's loop asks the guard for no poisoned sample, so ``poison:sample=10`` would train every
+    iteration with no record and no word (measured on the packaged 0.19.2, DP2): the first step refuses it,
+    one line on rank 0 naming the drill and what to use instead, exit 2, no iteration done."""
+    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
+    proc = loop.run(guard_env(tmp_path, inject=["poison:sample=10"]))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-4000:]
+    lines = [line for line in output.splitlines() if "cannot act" in line]
+    assert lines == ["[megatron_patches] drill(s) 'poison:sample=10' cannot act: this training loop feeds no poisoned "
+                     "sample (the tiny-GPT harness does; Megatron-LM's loop does not); rehearse a bad batch with an "
+                     "input drill instead, e.g. bitflip:step=3,phase=input,module=embedding.word_embeddings,bit=30"], lines
+    assert "Traceback" not in output and iterations(output) == {} and incidents(tmp_path) == []
+
+
 @pytest.mark.multiproc
 def test_a_misspelled_config_key_is_one_line_and_exit_2_on_every_rank(loop_kind, request, tmp_path):
     """At a thousand ranks a traceback per rank buries the cause, and a restarting launcher would

@@ -229,3 +229,43 @@ def test_a_rollback_whose_restart_has_not_resumed_is_pending_and_a_broken_ledger
     assert "rolled_back_to" not in first and "rolled_back_to" not in second
     [problem] = report.problems
     assert problem.path == str(tmp_path / "missing.json") and "cannot be read" in problem.message
+
+
+def _caused(step, klass, action="skip_step", severity="warning", devices=(), rank=0):
+    cause = {"class": klass, "evidence": ["hand-made"], "confidence": "high"}
+    if devices:
+        cause["devices"] = [{"rank": r, "host": h, "device": d} for r, h, d in devices]
+    return make_record(step=step, severity=severity, kind="nan", kinds=["nan"], action=action, message="m",
+                       params=[finding(FC1, 3, rank, 0, 0, order=20, nan=1)], ranks_affected=[rank], world=WORLD,
+                       cause=cause)
+
+
+def test_report_groups_incidents_by_cause_and_device_and_leads_with_the_verdict(tmp_path):
+    gpu3 = (3, "node-7", "cuda:3")
+    writer = JsonlWriter(os.path.join(tmp_path, INCIDENTS_FILE))
+    for record in (_caused(6, "data", rank=2), _caused(7, "hardware", "rollback", "error", [gpu3]),
+                   _caused(9, "numerics", rank=2), _caused(15, "hardware", "fence", "critical", [gpu3])):
+        writer.write(record)
+    out = cli("report", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == ("verdict: hardware: device node-7 cuda:3 fenced after 2 hardware-class incident(s); "
+                        "restart the job without host node-7")
+    table = lines[lines.index("by cause and device:") + 1:lines.index("by cause and device:") + 5]
+    assert [line.split()[:1] + line.split()[-2:] for line in table] == [
+        ["cause", "incidents", "steps"], ["hardware", "7,", "15"], ["data", "1", "6"], ["numerics", "1", "9"]]
+    assert "node-7 cuda:3" in table[1] and "node-1 cuda:0" in table[2]  # data: where it was named first
+    summary = json.loads(cli("report", str(tmp_path), "--json").stdout)
+    assert summary["verdict"] == lines[0] and summary["counts"]["cause"] == {"data": 1, "hardware": 2, "numerics": 1}
+    assert summary["groups"][0] == {"cause": "hardware", "device": "node-7 cuda:3", "count": 2, "steps": [7, 15]}
+
+
+def test_the_verdict_without_a_fence_names_the_leading_cause_and_a_record_without_cause_is_unknown(tmp_path):
+    write_run(tmp_path)  # records written before `cause` existed
+    lines = cli("report", str(tmp_path)).stdout.splitlines()
+    assert lines[0] == "verdict: 2 incident(s), most of them unknown (2); the run stopped at step 80"
+    software = tmp_path / "bug"
+    software.mkdir()
+    JsonlWriter(os.path.join(software, INCIDENTS_FILE)).write(_caused(1, "software", "stop", "critical"))
+    assert cli("report", str(software)).stdout.splitlines()[0].startswith(
+        "verdict: software: a fault on every replica from the first checked step (1 incident(s)); fix the code")

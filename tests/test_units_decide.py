@@ -93,6 +93,30 @@ def test_a_corruption_one_rank_holds_is_the_origin_though_every_replica_went_non
     assert incident.message.startswith(f"non-finite weight and exp_avg first at {FC1} (layer 1, rank 2, host host2")
     assert "held in the weights or optimizer state of rank(s) [2]" in incident.message
     assert record["held_nonfinite"][0]["reasons"] == ["held:weight", "held:exp_avg"]
+    # Its cause, before any replay: hardware on rank 2's device, the signs travelling with the decision.
+    assert decision.signs.held_ranks == (2,) and decision.signs.origin_replicas == 1
+    assert record["cause"] == {"class": "hardware", "confidence": "high", "devices": [
+        {"rank": 2, "host": "host2", "device": "cpu:2"}], "evidence": [
+        "non-finite values in the weights or optimizer state held on rank(s) 2",
+        "every gradient applied to them was checked finite"]}
+    # Negative control: the same reports without the held corruption name two origins on two replicas, no device.
+    plain = [RankReport(ranks=ranks(r), findings=(finding(OUTPUT, 40, r),), origin=True,
+                        pre_reduction=(finding(OUTPUT, 40, r),)) for r in (1, 2)]
+    decision, incident = decide(verdict(), plain, policy(), facts())
+    assert decision.signs.held_ranks == () and decision.signs.suspects == ()
+    assert incident.record()["cause"]["class"] == "unknown"
+
+
+def test_the_first_checked_step_and_the_norm_trail_reach_the_signs():
+    reports = [RankReport(ranks=ranks(0), findings=(finding(OUTPUT, 40, 0, nan=0),))]
+    rising = (1.0, 2.0, 4.0, 8.0, 16.0)
+    decision, incident = decide(verdict(total_norm=40.0), reports, policy(), facts(clean_before=5, norm_trail=rising))
+    assert not decision.signs.first_checked and decision.signs.growth == (
+        "gradient norm rose 16x over the 5 clean checked steps before, to 40 at the fault",)
+    assert incident.record()["cause"]["class"] == "numerics"
+    assert decision.signs.suspects[0].key() == "host0 cpu:0"  # one replica's finding names the device
+    decision, _ = decide(verdict(), reports, policy(), facts(clean_before=0))
+    assert decision.signs.first_checked and decision.signs.growth == ()
 
 
 def _jumped(rank):

@@ -91,11 +91,15 @@ def test_rollbacks_counted_in_the_ledger_spend_the_grading_budget(tmp_path):
     assert ledger.rollbacks == 2
 
 
+HARDWARE = '`hardware` must be a list of {"host": string, "device": string, "rank": integer >= 0, "step": integer >= 0}, '
+FENCED = '`fenced` must be null or {"host", "device", "rank", "step", "incidents" >= 1}, '
+
+
 @pytest.mark.parametrize("data, message", [
     ({}, None),
     ({"blacklist": [0, 4], "rollbacks": 0, "lr_scale": 1, "events": [], "rollback_requested": None}, None),
-    ({"rolbacks": 1}, "unknown field `rolbacks` (valid: blacklist, disabled_features, events, lr_scale, "
-                      "rollback_requested, rollbacks, spent_injections)"),
+    ({"rolbacks": 1}, "unknown field `rolbacks` (valid: blacklist, disabled_features, disqualified, events, fenced, "
+                      "hardware, lr_scale, rollback_requested, rollbacks, spent_injections)"),
     ({"blacklist": [1, True]}, "`blacklist` must be a list of non-negative integers (sample indices), got [1, true]"),
     ({"rollbacks": -1}, "`rollbacks` must be a non-negative integer, got -1"),
     ({"lr_scale": 1.5}, "`lr_scale` must be a finite number in (0, 1], got 1.5"),
@@ -106,6 +110,20 @@ def test_rollbacks_counted_in_the_ledger_spend_the_grading_budget(tmp_path):
     ({"events": [{"step": 1}, 2]}, "`events` must be a list of objects, got [{\"step\": 1}, 2]"),
     ({"events": [{"a": [1, {"b": math.inf}]}]}, "`events[0].a[1].b` must be a finite number, got inf"),
     ({"rollback_requested": {"from_step": math.nan}}, "`rollback_requested.from_step` must be a finite number, got nan"),
+    # A device's hardware-class incidents, the device fenced, the targets disqualified (cause_response).
+    ({"hardware": [{"host": "n1", "device": "cuda:3", "rank": 3, "step": 7}], "disqualified": [4],
+      "fenced": {"host": "n1", "device": "cuda:3", "rank": 3, "step": 7, "incidents": 2}}, None),
+    ({"hardware": [{"host": "n1", "device": "d", "rank": 3}]}, HARDWARE + 'got [{"host": "n1", "device": "d", "rank": 3}]'),
+    ({"hardware": [{"host": 1, "device": "d", "rank": 3, "step": 7}]},
+     HARDWARE + 'got [{"host": 1, "device": "d", "rank": 3, "step": 7}]'),
+    ({"hardware": [{"host": "n", "device": "d", "rank": -1, "step": 7}]},
+     HARDWARE + 'got [{"host": "n", "device": "d", "rank": -1, "step": 7}]'),
+    ({"hardware": [{"host": "n", "device": "d", "rank": 1, "step": 7, "x": 1}]},
+     HARDWARE + 'got [{"host": "n", "device": "d", "rank": 1, "step": 7, "x": 1}]'),
+    ({"fenced": {"host": "n", "device": "d", "rank": 3, "step": 7, "incidents": 0}},
+     FENCED + 'got {"host": "n", "device": "d", "rank": 3, "step": 7, "incidents": 0}'),
+    ({"fenced": "n1"}, FENCED + 'got "n1"'),
+    ({"disqualified": [4, True]}, "`disqualified` must be a list of non-negative integers (checkpoint steps), got [4, true]"),
 ])
 def test_ledger_problem_names_the_field_and_what_it_must_be(data, message):
     assert _ledger_problem(data) == message

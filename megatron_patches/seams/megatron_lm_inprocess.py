@@ -38,6 +38,7 @@ import torch
 
 from .. import collectives, recovery, safe_mode, snapshots
 from ..callbacks import Callback
+from ..cause_response import BLACKLISTING, cause_of, classify_step, count_device
 from ..decisions import Action, Decision
 from ..incidents import IN_MEMORY, Incident
 from ..ledger import Ledger
@@ -311,8 +312,9 @@ def _why_not_in_process(rebuilt: list, taped: bool, target: Optional[int], since
 
 
 def skip_iterations(run: InProcessRollback, episode: Episode) -> Episode:
-    """Under ``blacklist: always`` the redo leaves out every iteration of the episode."""
-    if not episode.rolls_back or run.config.blacklist != "always":
+    """Under ``blacklist: always`` the redo leaves out every iteration of the episode (where its cause
+    is data or unknown: a hardware, numerics or software cause leaves the samples in)."""
+    if not episode.rolls_back or run.config.blacklist != "always" or cause_of(episode) not in BLACKLISTING:
         return episode
     skipped = tuple(sorted(set(run.rollback.episode_steps)))
     return replace(episode, outcome=replace(episode.outcome, iterations_skipped=skipped))
@@ -389,7 +391,7 @@ def _log_redone(iteration: int, total: int, result: Any) -> None:
     print(f"[megatron_patches] redone iteration {iteration:8d}/{total:8d} |{values} |", flush=True)
 
 
-IN_PROCESS_CHAIN = (choose_target, recovery.blacklist, skip_iterations, recovery.refuse_repeat, restore_snapshot,
-                    recovery.cut_lr, recovery.safe_mode_step, recovery.record_rollback, recovery.publish,
+IN_PROCESS_CHAIN = (choose_target, classify_step, recovery.blacklist, count_device, skip_iterations,
+                    recovery.refuse_repeat, restore_snapshot, recovery.cut_lr, recovery.safe_mode_step, recovery.record_rollback, recovery.publish,
                     recovery.stop, redo)
 """One decision in Megatron-LM's loop, in process (the module's protocol)."""

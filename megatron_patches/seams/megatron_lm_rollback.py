@@ -256,11 +256,13 @@ class Rollback(Callback):
         """Every rank notes the incident's iteration (a restart skips them under ``blacklist: always``)."""
         self.episode_steps.append(int(decision.step))
 
-    def _request_fields(self) -> dict:
+    def _request_fields(self, blacklisting: bool = True) -> dict:
         """What the ledger's rollback request adds for Megatron-LM (rank 0, at a rollback exit):
-        the iteration, and the iterations a restart skips."""
+        the iteration, and the iterations a restart skips (none where the incident's cause leaves
+        the samples in: ``blacklisting`` False, :mod:`~megatron_patches.cause_response`)."""
         ledger = self.restart.ledger
-        steps = sorted(set(self.episode_steps)) if self.monitor.config.recovery.blacklist == "always" else []
+        always = self.monitor.config.recovery.blacklist == "always"
+        steps = sorted(set(self.episode_steps)) if always and blacklisting else []
         log.warning("ledger %s: rollback requested at iteration %d; a restart skips iterations %s "
                     "and scales the lr to %.3g of the original", ledger.path(self.root),
                     self.monitor.step, steps, ledger.lr_scale)
