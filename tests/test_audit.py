@@ -76,7 +76,7 @@ def test_the_fingerprint_is_the_mixed_sum_of_the_words_modulo_2_to_the_32():
 
 
 def test_changes_that_cancel_in_plain_sums_change_the_fingerprint():
-    from megatron_patches.detectors.consistency import _bits_sum
+    from megatron_patches.detectors.fingerprint import _bits_sum
 
     x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
     signs = x.clone()
