@@ -156,7 +156,8 @@ class RecoveryConfig:
     max_rollbacks: int = field(default=3, metadata={"check": check.at_least_one})
     """Retry budget: one more *error* after this many rollbacks is *critical*."""
     blacklist: Literal["always", "deterministic"] = "always"
-    """Which samples a rollback skips: the batches of the incident steps (always), or only
+    """Which samples a rollback skips, for an incident whose cause is data or unknown (a hardware,
+    numerics or software cause blacklists none): the batches of the incident steps (always), or only
     those a replay reproduced the fault on (deterministic)."""
     keep_checkpoints: Optional[int] = field(default=None, metadata={"check": check.at_least_one})
     """The harness's retention: checkpoints it keeps (None: 3); the newest healthy one is never
