@@ -202,6 +202,18 @@ def series(seed: int, steps: int, size: int):
 FIELDS = ("logn", "valid", "z", "zflag")
 
 
+def step_both(new, old, a, b, cfg, accepted: bool, fields: tuple) -> None:
+    """The judgements ``a`` (the code's) and ``b`` (f3ce4c3's) equal bit for bit in ``fields``; on an
+    accepted step both statistics take their update and stay equal bit for bit."""
+    for name in fields:
+        assert same_bits(getattr(a, name), getattr(b, name)), name
+    if accepted:
+        new.update(a, cfg)
+        old.update(b, cfg)
+    for name in history._Stats.FIELDS:
+        assert same_bits(getattr(new, name), getattr(old, name)), name
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_history_per_tensor_statistics_and_flags_equal_the_earlier_ops(seed):
     cfg = HistoryConfig(warmup_steps=4, zscore=1.5, min_ratio=1.05)  # low bars: flags do fire
@@ -214,14 +226,8 @@ def test_history_per_tensor_statistics_and_flags_equal_the_earlier_ops(seed):
         assert same_bits(values, old_shares(norms))
         a = new.judge(values, judged, cfg, drift=False)
         b = old.judge(values, judged & torch.ones(size, dtype=torch.bool), cfg, drift=False)
-        for name in FIELDS:
-            assert same_bits(getattr(a, name), getattr(b, name)), name
+        step_both(new, old, a, b, cfg, accepted, FIELDS)
         fired += int(a.zflag.sum())
-        if accepted:
-            new.update(a, cfg)
-            old.update(b, cfg)
-        for name in history._Stats.FIELDS:
-            assert same_bits(getattr(new, name), getattr(old, name)), name
     assert fired > 0  # the flags were exercised, not only the quiet path
 
 
@@ -234,14 +240,8 @@ def test_history_host_levels_with_growth_equal_the_earlier_ops():
         values = history.shares(norms.numpy().astype(float) * (1.1 ** (step % 6)))
         a = new.judge(values, history.judged_slots(6), cfg)
         b = old.judge(values, history.judged_slots(6), cfg)
-        for name in FIELDS + ("dflag", "run"):
-            assert same_bits(getattr(a, name), getattr(b, name)), name
+        step_both(new, old, a, b, cfg, accepted, FIELDS + ("dflag", "run"))
         grew += int(a.dflag.sum())
-        if accepted:
-            new.update(a, cfg)
-            old.update(b, cfg)
-        for name in history._Stats.FIELDS:
-            assert same_bits(getattr(new, name), getattr(old, name)), name
     assert grew > 0
 
 
