@@ -42,6 +42,11 @@ def cause_of(episode: Episode) -> str:
     return episode.cause.klass if episode.cause is not None else "unknown"
 
 
+def blames_samples(episode: Episode) -> bool:
+    """Whether the episode's samples may be blacklisted: its cause is data or unknown."""
+    return cause_of(episode) in BLACKLISTING
+
+
 def classify_step(run: InProcessRecovery, episode: Episode) -> Episode:
     """Class the incident from the decision's signs and the replay's verdict (the same on every rank)."""
     signs = episode.decision.signs

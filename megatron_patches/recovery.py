@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional, Protocol
 from . import collectives, forward_origin, safe_mode
 from .callbacks import Callback
 from .cause import Cause
-from .cause_response import BLACKLISTING, cause_of, classify_step, count_device, follow_cause, restore_target, settle_cause
+from .cause_response import blames_samples, cause_of, classify_step, count_device, follow_cause, restore_target, settle_cause
 from .decisions import Action, Decision, exit_code
 from .incidents import IN_MEMORY, Incident, Outcome
 from .ledger import Ledger
@@ -133,9 +133,11 @@ def blacklist(run: "InProcessRecovery", episode: Episode) -> Episode:
     reproduced the fault with, and on a rollback under ``blacklist: always`` every sample of the
     episode (no sample of a hardware, numerics or software cause: they are innocent). Outside a
     rollback they go into the ledger now (a rollback records them with its own count)."""
-    samples = set(episode.reproduced) if cause_of(episode) in BLACKLISTING else set()
-    if episode.rolls_back and run.config.blacklist == "always" and cause_of(episode) in BLACKLISTING:
-        samples |= set(run.episode_samples)
+    samples = set()
+    if blames_samples(episode):
+        samples = set(episode.reproduced)
+        if episode.rolls_back and run.config.blacklist == "always":
+            samples |= set(run.episode_samples)
     episode = replace(episode, outcome=replace(episode.outcome, blacklisted=tuple(sorted(samples))))
     if samples and not episode.rolls_back:
         run.ledger.blacklist = sorted(set(run.ledger.blacklist) | samples)

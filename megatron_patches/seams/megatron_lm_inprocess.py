@@ -38,7 +38,7 @@ import torch
 
 from .. import collectives, recovery, safe_mode, snapshots
 from ..callbacks import Callback
-from ..cause_response import BLACKLISTING, cause_of, classify_step, count_device
+from ..cause_response import blames_samples, classify_step, count_device
 from ..decisions import Action, Decision
 from ..incidents import IN_MEMORY, Incident
 from ..ledger import Ledger
@@ -314,7 +314,7 @@ def _why_not_in_process(rebuilt: list, taped: bool, target: Optional[int], since
 def skip_iterations(run: InProcessRollback, episode: Episode) -> Episode:
     """Under ``blacklist: always`` the redo leaves out every iteration of the episode (where its cause
     is data or unknown: a hardware, numerics or software cause leaves the samples in)."""
-    if not episode.rolls_back or run.config.blacklist != "always" or cause_of(episode) not in BLACKLISTING:
+    if not episode.rolls_back or run.config.blacklist != "always" or not blames_samples(episode):
         return episode
     skipped = tuple(sorted(set(run.rollback.episode_steps)))
     return replace(episode, outcome=replace(episode.outcome, iterations_skipped=skipped))
