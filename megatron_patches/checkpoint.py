@@ -5,7 +5,7 @@ saved by :mod:`megatron_patches.testing.checkpoints`, or Megatron-LM's).
 incident since the previous healthy checkpoint and every parameter finite on every rank. A
 healthy one written ``certified_at: null`` is a rollback target only once the checked steps
 after it came out clean (:class:`Certification`; Megatron-LM's loop has its own in
-:mod:`megatron_patches.seams.megatron_lm_checkpoints`). Retention never deletes the newest
+:mod:`megatron_patches.seams.megatron_lm.checkpoints`). Retention never deletes the newest
 rollback target. Nothing here knows Megatron's classes.
 """
 

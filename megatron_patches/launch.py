@@ -7,7 +7,7 @@ rollback, within a budget.
 On a rollback decision every rank writes nothing but rank 0's ledger
 (``<checkpoint dir>/megatron_patches_ledger.json``) and exits with 84; the next start of the same
 command loads the newest healthy checkpoint, skips the incident iterations and lowers the
-learning rate (``megatron_patches.seams.megatron_lm_rollback``). A rollback is recognised by:
+learning rate (``megatron_patches.seams.megatron_lm.rollback``). A rollback is recognised by:
 
 - the command's exit status being one of ``--restart-on`` (84 by default; add 16 to also restart
   when Megatron's RerunStateMachine asks to resume from its checkpoint), or

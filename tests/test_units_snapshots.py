@@ -65,7 +65,7 @@ class _Leaf:
 def test_the_snapshot_size_reckoned_before_the_first_step_is_the_size_after_it():
     """The start line's bound comes before any optimizer state exists: torch's Adam (with and
     without amsgrad) and SGD with momentum create exactly the state reckoned for them."""
-    from megatron_patches.seams.megatron_lm_state import live_tensors, snapshot_bytes
+    from megatron_patches.seams.megatron_lm.state import live_tensors, snapshot_bytes
 
     for make in (lambda p: torch.optim.Adam(p, lr=0.1), lambda p: torch.optim.AdamW(p, lr=0.1, amsgrad=True),
                  lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.1)):

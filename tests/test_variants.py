@@ -112,7 +112,7 @@ def test_the_stand_in_fused_adam_takes_adamw_steps_with_fp32_master_weights_over
 
 def test_megatrons_rerun_checkpoint_is_told_apart_from_an_ordinary_save():
     rsm = pytest.importorskip("megatron.core.rerun_state_machine")
-    from megatron_patches.seams import megatron_lm_checkpoints
+    from megatron_patches.seams.megatron_lm import checkpoints as megatron_lm_checkpoints
 
     machine = rsm.get_rerun_state_machine()
     before = machine.state

@@ -12,9 +12,9 @@ recovery) never imports this package (``tests/test_units_imports.py``); it is ha
   :mod:`.model_chunks`), the norm served to ``get_grad_norm`` (:mod:`.served_norm`), the norm
   kernel's call shared with Megatron's clipping norm (:mod:`.megatron_norm`), the fp16
   loss scaler (:mod:`.loss_scale`), the parallel layout and megatron-core's version (:mod:`.parallel`);
-- the loops: Megatron-LM's ``pretrain_gpt.py`` (:mod:`.megatron_lm`, with :mod:`.megatron_lm_rollback`
-  applying the ledger at a restart and :mod:`.megatron_lm_checkpoints` marking checkpoints),
-  MindSpeed (:mod:`.mindspeed`) and MindSpeed-LLM (:mod:`.mindspeed_llm`).
+- the loops: Megatron-LM's ``pretrain_gpt.py`` (:mod:`.megatron_lm`, with :mod:`.megatron_lm.rollback`
+  applying the ledger at a restart and :mod:`.megatron_lm.checkpoints` marking checkpoints),
+  MindSpeed (:mod:`.mindspeed`) and MindSpeed-LLM (:mod:`.mindspeed.llm`).
 
 Importing this package changes nothing; the wrappers are installed through :mod:`.patching`.
 """

@@ -178,7 +178,7 @@ TARGETS: tuple[PatchTarget, ...] = (
         "megatron_patches.seams.megatron_lm.rerun_load_wrapper",
         "Where Megatron-LM's load_checkpoint restores a rerun pending since an exit 16: one that would "
         "run again on the node and device of the first rerun only exits 16 again, at every restart; "
-        "the guard leaves it undone and skips its iteration (megatron_patches.seams.megatron_lm_rollback).",
+        "the guard leaves it undone and skips its iteration (megatron_patches.seams.megatron_lm.rollback).",
     ),
 )
 

@@ -22,12 +22,12 @@ import logging
 import os
 from typing import Any, NoReturn, Optional
 
-from .. import collectives, safe_mode
-from ..callbacks import Callback
-from ..errors import UserError
-from ..protocols import Guard
-from ..decisions import Action, Decision, Severity
-from .megatron_lm_checkpoints import newest_healthy_iteration, read_tracker, saved_lr_scale, warn0
+from ... import collectives, safe_mode
+from ...callbacks import Callback
+from ...errors import UserError
+from ...protocols import Guard
+from ...decisions import Action, Decision, Severity
+from .checkpoints import newest_healthy_iteration, read_tracker, saved_lr_scale, warn0
 
 log = logging.getLogger("megatron_patches")
 
@@ -49,7 +49,7 @@ def switch_off_for_retry(args: Any) -> list:
     """Safe mode on retry: before Megatron builds the model, switch off in ``args`` what the
     ledger next to ``--save`` (else ``--load``) lists in ``disabled_features``
     (:mod:`megatron_patches.safe_mode`). Returns those names ([] when none, or no ledger)."""
-    from ..ledger import Ledger
+    from ...ledger import Ledger
 
     root = args.save or args.load
     if root is None:
@@ -113,7 +113,7 @@ class Rollback(Callback):
     :class:`~megatron_patches.recovery.ExitAndRestart` (the ledger's one writer) to the monitor."""
 
     def __init__(self, monitor: Guard, root: str):
-        from ..recovery import ExitAndRestart
+        from ...recovery import ExitAndRestart
 
         self.monitor = monitor
         self.root = root

@@ -36,18 +36,18 @@ from typing import Any, Callable, NoReturn, Optional
 
 import torch
 
-from .. import collectives, recovery, safe_mode, snapshots
-from ..callbacks import Callback
-from ..cause_response import blames_samples, classify_step, count_device
-from ..decisions import Action, Decision
-from ..incidents import IN_MEMORY, Incident
-from ..ledger import Ledger
-from ..protocols import Guard
-from ..recovery import Episode
-from . import start_line
-from .megatron_lm_checkpoints import DIVERGED, diverged_since, newest_healthy_iteration, warn0
-from .megatron_lm_rollback import Rollback, scale_group_bounds, scale_scheduler_bounds
-from .megatron_lm_state import after_restore, install_tapes, live_tensors, restore_values, small_values, snapshot_bytes
+from ... import collectives, recovery, safe_mode, snapshots
+from ...callbacks import Callback
+from ...cause_response import blames_samples, classify_step, count_device
+from ...decisions import Action, Decision
+from ...incidents import IN_MEMORY, Incident
+from ...ledger import Ledger
+from ...protocols import Guard
+from ...recovery import Episode
+from .. import start_line
+from .checkpoints import DIVERGED, diverged_since, newest_healthy_iteration, warn0
+from .rollback import Rollback, scale_group_bounds, scale_scheduler_bounds
+from .state import after_restore, install_tapes, live_tensors, restore_values, small_values, snapshot_bytes
 
 log = logging.getLogger("megatron_patches")
 

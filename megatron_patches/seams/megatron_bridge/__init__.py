@@ -2,7 +2,7 @@
 checkpoint markers and rollback by exit and restart.
 
 Bridge builds megatron-core's optimizer, so detection needs nothing here; this module gives the
-guard what Megatron-LM's loop gives it through :mod:`.megatron_lm`, from Bridge's own objects
+guard what Megatron-LM's loop gives it through :mod:`..megatron_lm`, from Bridge's own objects
 (its ``GlobalState``: the config container and ``train_state``), through three lazy targets
 (:data:`~.targets.BRIDGE_TARGETS`, wrapped when a Bridge job imports them):
 
@@ -19,7 +19,7 @@ guard what Megatron-LM's loop gives it through :mod:`.megatron_lm`, from Bridge'
   certified or disqualified by the checks that follow (:class:`.CheckpointMarks`).
 
 Recovery as in Megatron-LM's loop: under ``recovery.mode: in_process`` (the default) a rollback is
-made inside the ``train_step`` call that brought the decision (:mod:`.megatron_lm_inprocess`, with
+made inside the ``train_step`` call that brought the decision (:mod:`..megatron_lm.inprocess`, with
 Bridge's ``train_state`` counters); where it cannot be, and under ``recovery.mode: restart``, every
 rank exits 84 with the ledger's request and the launcher runs the same command again.
 """
@@ -31,15 +31,15 @@ import logging
 import os
 from typing import Any, Optional
 
-from .. import collectives, safe_mode
-from ..callbacks import Callback, attached
-from ..errors import UserError, exit_refused
-from ..protocols import Guard
-from . import wrappers
-from .megatron_lm import sample_positions
-from .megatron_lm_inprocess import InProcessRollback, LoopCounters
-from .megatron_lm_checkpoints import CheckpointMarks, newest_healthy_iteration, read_tracker, saved_lr_scale, warn0
-from .megatron_lm_rollback import (Rollback, put_group_bounds, scale_group_bounds, scale_scheduler_bounds,
+from ... import collectives, safe_mode
+from ...callbacks import Callback, attached
+from ...errors import UserError, exit_refused
+from ...protocols import Guard
+from .. import wrappers
+from ..megatron_lm import sample_positions
+from ..megatron_lm.inprocess import InProcessRollback, LoopCounters
+from ..megatron_lm.checkpoints import CheckpointMarks, newest_healthy_iteration, read_tracker, saved_lr_scale, warn0
+from ..megatron_lm.rollback import (Rollback, put_group_bounds, scale_group_bounds, scale_scheduler_bounds,
                                    scaled_group_bounds, skip_iterations)
 
 log = logging.getLogger("megatron_patches")

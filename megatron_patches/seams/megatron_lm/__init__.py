@@ -19,7 +19,7 @@ wheel). The main three:
 - ``save_checkpoint``: after Megatron saved ``iter_N/``, writes ``megatron_patches.json`` there:
   healthy when no incident happened since the previous save and every parameter is finite.
 
-Recovery: by default a rollback is made in process (:mod:`.megatron_lm_inprocess`: in-memory
+Recovery: by default a rollback is made in process (:mod:`.inprocess`: in-memory
 snapshots, the iterations since redone inside the ``train_step`` call that brought the decision).
 Where that cannot be, and under ``recovery.mode: restart``, the exit-and-restart protocol::
 
@@ -35,11 +35,11 @@ Beside them: ``setup_model_and_optimizer`` (safe mode on retry), ``dummy_train_s
 an iteration under an interleaved pipeline), and Megatron's rerun machine at its exits 16/17
 (``should_checkpoint_and_exit``, into the ledger) and at a checkpoint load (``load_state_dict``: a
 rerun that would only repeat on the same device is left undone). With Megatron's check off, a
-skipped step's forward pass is replayed (:mod:`.megatron_lm_replay`).
+skipped step's forward pass is replayed (:mod:`.replay`).
 
 This module wires the wrappers to one session per process; the session hands the ledger's work
-to :mod:`.megatron_lm_rollback` and the checkpoint files (markers, per-rank guard state, async
-saves) to :mod:`.megatron_lm_checkpoints`. Names other code reads from here stay importable here.
+to :mod:`.rollback` and the checkpoint files (markers, per-rank guard state, async
+saves) to :mod:`.checkpoints`. Names other code reads from here stay importable here.
 """
 
 from __future__ import annotations
@@ -49,15 +49,16 @@ import logging
 import math
 from typing import Any, Optional
 
-from .. import collectives
-from ..callbacks import Callback, attached
-from ..errors import UserError, exit_refused
-from ..protocols import Guard
-from . import mindspeed_llm, start_line, wrappers
-from .megatron_lm_checkpoints import STATE_DIR, TRACKER_FILE, CheckpointMarks, newest_healthy_iteration, read_tracker, saved_lr_scale, state_file, warn0, write_marker
-from .megatron_lm_inprocess import InProcessRollback
-from .megatron_lm_replay import ForwardReplay, replays_here
-from .megatron_lm_rollback import Rollback, built_model_facts, core_version, skip_iterations, switch_off_for_retry, to_iterations_to_skip
+from ... import collectives
+from ...callbacks import Callback, attached
+from ...errors import UserError, exit_refused
+from ...protocols import Guard
+from .. import start_line, wrappers
+from ..mindspeed import llm as mindspeed_llm
+from .checkpoints import STATE_DIR, TRACKER_FILE, CheckpointMarks, newest_healthy_iteration, read_tracker, saved_lr_scale, state_file, warn0, write_marker
+from .inprocess import InProcessRollback
+from .replay import ForwardReplay, replays_here
+from .rollback import Rollback, built_model_facts, core_version, skip_iterations, switch_off_for_retry, to_iterations_to_skip
 
 __all__ = [
     "MegatronLMSession", "session", "scheduler_wrapper", "setup_model_wrapper", "train_step_wrapper",
@@ -84,7 +85,7 @@ class MegatronLMSession(Callback):
         self.marks = CheckpointMarks(monitor)
         monitor.add_callback(self.marks)
         self.replay: Optional[ForwardReplay] = None
-        """Replays a skipped step's forward pass where Megatron's own check is off (:mod:`.megatron_lm_replay`)."""
+        """Replays a skipped step's forward pass where Megatron's own check is off (:mod:`.replay`)."""
         self.in_process: Optional[InProcessRollback] = None
         """Snapshots and in-process rollbacks (``recovery.mode: in_process``, with --save/--load)."""
         self._first_step = True
@@ -198,7 +199,7 @@ class MegatronLMSession(Callback):
 
     def wants_replay(self, decision: Any) -> bool:
         """With Megatron's own check off, a skipped step's forward pass is replayed after the step
-        (:mod:`.megatron_lm_replay`): its record waits for that outcome."""
+        (:mod:`.replay`): its record waits for that outcome."""
         return self.replay is not None and self.replay.wants(decision)
 
 
@@ -214,10 +215,10 @@ def _refuse_unsupported(args: Any) -> None:
     guard does not check yet (:mod:`megatron_patches.variants`): never run it unchecked. Asked
     on the arguments before the model is built (a variant's model may not even build on this
     machine) and again before the scheduler, where the arguments are parsed inside ``pretrain``."""
-    from .. import variants
-    from ..errors import UnsupportedConfig
+    from ... import variants
+    from ...errors import UnsupportedConfig
 
-    from .mindspeed import refuse_unchecked_paths
+    from ..mindspeed import refuse_unchecked_paths
 
     try:
         variants.refuse_args(args)
@@ -292,7 +293,7 @@ def setup_model_wrapper(wrapped, instance, args, kwargs):
 def train_step_wrapper(wrapped, instance, args, kwargs):
     """``train_step(...)``: iteration and batch for the monitor; writers after the step. Called for
     an iteration in ``iterations_to_skip`` (MindSpeed-LLM's loop does not read them), skips it
-    as Megatron-LM's loop would (:mod:`.mindspeed_llm`)."""
+    as Megatron-LM's loop would (:mod:`..mindspeed.llm`)."""
     monitor = wrappers.get_monitor()
     if monitor is None:
         return wrapped(*args, **kwargs)

@@ -1,7 +1,7 @@
 """MindSpeed-LLM's training loop: a rollback's ``iterations_to_skip`` taken effect in ``train_step``.
 
 A rollback restart asks Megatron-LM to skip the incident iterations through
-``args.iterations_to_skip`` (:mod:`megatron_patches.seams.megatron_lm_rollback`). Megatron-LM's own
+``args.iterations_to_skip`` (:mod:`megatron_patches.seams.megatron_lm.rollback`). Megatron-LM's own
 loop reads that list and never calls ``train_step`` for a listed iteration: it drains the
 iteration's micro-batches from the data iterator (``dummy_train_step``), counts the iteration and
 adds its global batch to ``consumed_train_samples`` and ``skipped_train_samples``, and goes on.

@@ -22,12 +22,12 @@ from typing import Any, Optional
 
 import torch
 
-from .. import collectives
-from ..decisions import Action, Decision
-from ..forward_origin import ForwardTrace, gather_origin
-from ..incidents import Outcome
-from ..protocols import Guard
-from .parallel import parallel_state
+from ... import collectives
+from ...decisions import Action, Decision
+from ...forward_origin import ForwardTrace, gather_origin
+from ...incidents import Outcome
+from ...protocols import Guard
+from ..parallel import parallel_state
 
 log = logging.getLogger("megatron_patches")
 

@@ -1,7 +1,7 @@
 """This rank's state in Megatron-LM's loop as an in-process rollback needs it: the batches each
 iteration read (:class:`BatchTape`, inside Megatron's ``RerunDataIterator``), every tensor of the
 model and the optimizer (:func:`live_tensors`) and the small values beside them
-(:func:`small_values`, :func:`restore_values`). Used by :mod:`.megatron_lm_inprocess`.
+(:func:`small_values`, :func:`restore_values`). Used by :mod:`.inprocess`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any, Optional
 
 import torch
 
-from .. import collectives
-from . import rng
-from ..protocols import Guard
+from ... import collectives
+from .. import rng
+from ...protocols import Guard
 
 _RERUN_FIELDS = ("current_iteration", "large_value_counts", "max_values", "validation_counts")
 """What Megatron's rerun machine accumulates from iteration to iteration (its state while not rerunning)."""

@@ -104,7 +104,7 @@ def refuse_unchecked_paths(args: Any) -> None:
     selects an optimizer path the guard cannot check; nothing when none is set."""
     for name, flag, why in UNCHECKED_FLAGS:
         if getattr(args, name, None):
-            from ..errors import UnsupportedConfig
+            from ...errors import UnsupportedConfig
 
             raise UnsupportedConfig(
                 f"megatron_patches cannot check gradients with MindSpeed's {flag} ({name}="

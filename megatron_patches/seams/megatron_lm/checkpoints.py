@@ -29,11 +29,11 @@ import math
 import os
 from typing import Any, Optional
 
-from .. import checkpoint, collectives
-from ..callbacks import Callback
-from ..detectors.base import Rotation
-from ..files import write_json_atomic
-from ..protocols import Guard
+from ... import checkpoint, collectives
+from ...callbacks import Callback
+from ...detectors.base import Rotation
+from ...files import write_json_atomic
+from ...protocols import Guard
 
 log = logging.getLogger("megatron_patches")
 
