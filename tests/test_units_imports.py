@@ -104,6 +104,52 @@ def test_the_core_never_imports_megatron_seams_or_what_starts_a_run():
     assert {layer(m) for m in graph} == {"core", "seams", "outer"}  # the split is not empty on either side
 
 
+
+# --- Megatron's seams by integration (issue 60 item 3): one subpackage per integration beside the
+# shared patching and watches at seams/ root. The subpackages import the core and the shared part;
+# the shared part imports no integration, nor one integration another, but for the crossings listed
+# with their reasons ---
+
+INTEGRATIONS = ("megatron_lm", "megatron_bridge", "mindspeed")
+CROSSINGS = {
+    ("megatron_bridge", "megatron_lm"): "Bridge's loop runs Megatron-LM's checkpoint marks, ledger and in-process "
+                                        "rollback on its own config and counters (BridgeMarks, BridgeCounters)",
+    ("megatron_lm", "mindspeed"): "MindSpeed-LLM's loop is Megatron-LM's loop patched: its skips (mindspeed.llm) and "
+                                  "MindSpeed's refusals run inside Megatron-LM's wrappers",
+    ("shared", "mindspeed"): "the patcher works with MindSpeed's patch manager (order, re-wrap, bound copies) and "
+                             "every prepare_grads undoes MindSpeed's conversion on a skipped step",
+}
+"""(importer, imported) between the seams' parts. MindSpeed's part imports no other: the parts form
+the layers mindspeed < shared < megatron_lm < megatron_bridge, and nothing imports Bridge's."""
+
+
+def seams_part(module: str) -> str:
+    """``shared`` for the seams' root modules, the integration's name for a module of its subpackage."""
+    parts = module.split(".")
+    assert parts[:2] == ["megatron_patches", "seams"], module
+    return parts[2] if len(parts) > 2 and parts[2] in INTEGRATIONS else "shared"
+
+
+def test_each_integration_is_a_seams_subpackage_and_they_cross_only_where_listed():
+    graph = import_graph()
+    for name in INTEGRATIONS:
+        assert (PACKAGE / "seams" / name / "__init__.py").is_file(), name
+    assert not list((PACKAGE / "seams").glob("megatron_lm*.py")) + list((PACKAGE / "seams").glob("mindspeed*.py"))
+    assert not list((PACKAGE / "seams").glob("megatron_bridge*.py"))
+    seams = {m for m in graph if layer(m) == "seams"}
+    crossings = {(seams_part(m), seams_part(t)) for m in seams for t in graph[m] if t in seams}
+    crossings = {(a, b) for a, b in crossings if a != b and b != "shared"}  # an integration may use the shared part
+    assert crossings == set(CROSSINGS)  # a new crossing needs its reason here; a gone one leaves the list
+    assert cycles({part: {b for a, b in crossings if a == part} for part in ("shared", *INTEGRATIONS)}) == []
+
+
+def test_the_seams_part_of_a_module():
+    assert seams_part("megatron_patches.seams") == "shared"
+    assert seams_part("megatron_patches.seams.wrappers") == "shared"
+    assert seams_part("megatron_patches.seams.megatron_lm") == "megatron_lm"
+    assert seams_part("megatron_patches.seams.megatron_lm.inprocess") == "megatron_lm"
+    assert seams_part("megatron_patches.seams.mindspeed.llm") == "mindspeed"
+
 # --- the core imports no megatron or mindspeed module, not even inside a function (issue 43 items 5, 9) ---
 
 FOREIGN = ("megatron", "mindspeed")

@@ -229,3 +229,23 @@ def checked_clip_grad_norm(method: Callable) -> Callable:
 
     clip_grad_norm.__megatron_patches__ = True
     return clip_grad_norm
+
+
+def save_checkpoint_wrapper(session: Callable[[Any], Any], first: str) -> Callable:
+    """The ``save_checkpoint`` wrapper of a training loop (Megatron-LM's, Megatron-Bridge's): once
+    the save returned, ``session(monitor).after_save(<first>, model, non_persistent)``, where
+    ``first`` names the argument the loop's save takes first (``iteration`` for Megatron-LM,
+    ``state`` for Bridge, which reads its iteration from it). With no monitor active, the save alone."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        monitor = get_monitor()
+        if monitor is not None:
+            bound = _signature(wrapped).bind(*args, **kwargs)
+            session(monitor).after_save(bound.arguments[first], bound.arguments["model"],
+                                        bool(bound.arguments.get("non_persistent_ckpt", False)))
+        return result
+
+    wrapper.__name__ = wrapper.__qualname__ = "save_checkpoint_wrapper"
+    wrapper.__doc__ = f"``save_checkpoint({first}, model, ...)``: the healthy marker once the save returned."
+    return wrapper

@@ -296,12 +296,4 @@ def train_step_wrapper(wrapped, instance, args, kwargs):
     return result
 
 
-def save_checkpoint_wrapper(wrapped, instance, args, kwargs):
-    """``save_checkpoint(state, model, ...)``: the healthy marker once the save returned."""
-    result = wrapped(*args, **kwargs)
-    monitor = wrappers.get_monitor()
-    if monitor is not None:
-        bound = inspect.signature(wrapped).bind(*args, **kwargs)
-        session(monitor).after_save(bound.arguments["state"], bound.arguments["model"],
-                                    bool(bound.arguments.get("non_persistent_ckpt", False)))
-    return result
+save_checkpoint_wrapper = wrappers.save_checkpoint_wrapper(session, "state")
