@@ -56,18 +56,18 @@ test-all: install
 
 # Megatron-Bridge's pretraining loop (docs/bridge.md): its own environment $(BRIDGE_VENV) (Python 3.12,
 # Bridge 0.6.2, 8.8 GB; built once by scripts/install_bridge_cpu.sh, about 4 minutes here), then
-# tests/test_bridge.py. Not part of `make test` or CI: the install alone would take CI past its budget.
+# tests/trainings/test_bridge.py. Not part of `make test` or CI: the install alone would take CI past its budget.
 BRIDGE_VENV ?= .venv-bridge
 test-bridge:
 	bash scripts/install_bridge_cpu.sh $(BRIDGE_VENV)
-	MEGATRON_PATCHES_EVERY_LINE=1 $(BRIDGE_VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests/test_bridge.py
+	MEGATRON_PATCHES_EVERY_LINE=1 $(BRIDGE_VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests/trainings/test_bridge.py
 
 # Megatron-LM's own loop on every layout (TP2, TP2 + sequence parallel, TP2 + bf16 + distributed
 # optimizer + overlap, PP2 x VPP2, TP2 x PP2, TP2 x DP2) with Megatron's check on and off: a NaN in
 # one rank's gradient, a NaN in one module's output, a rollback. Needs megatron-core 0.17+ (its
 # packaged loop: make layout-matrix PYTHON=python3.12 VENV=.venv312) or MEGATRON_LM_DIR; ~6 minutes.
 layout-matrix: install
-	$(VPY) -m pytest -q -m "layout_matrix or not slow" $(PYTEST_ARGS) tests/test_layouts.py
+	$(VPY) -m pytest -q -m "layout_matrix or not slow" $(PYTEST_ARGS) tests/trainings/test_layouts.py
 
 # A tiny GPT on $(NPROC) CPU ranks (TP=2 x DP=2), a NaN injected into one tensor-parallel
 # weight on rank 1 at step 12: the guard catches it, names it, skips the step; training goes on.

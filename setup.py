@@ -39,11 +39,11 @@ setup(
         "npu": ["torch_npu"],
         "megatron-lm": MEGATRON_LM_IMPORTS,
         # The report plot, TensorBoard, W&B (offline) and Megatron-LM loop paths are tested in CI too.
-        # einops: megatron-core's Megatron-FSDP imports it (tests/test_variant_loops.py).
+        # einops: megatron-core's Megatron-FSDP imports it (tests/trainings/test_variant_loops.py).
         "test": ["pytest>=7", "matplotlib", "tensorboard", "wandb", "einops", *MEGATRON_LM_IMPORTS],
         "plot": ["matplotlib"],
         "tensorboard": ["tensorboard"],
-        # Megatron-Bridge's loop (Python 3.12 only; tests/test_bridge.py, docs/bridge.md). Its wheel
+        # Megatron-Bridge's loop (Python 3.12 only; tests/trainings/test_bridge.py, docs/bridge.md). Its wheel
         # requires fast-hadamard-transform, an sdist built with nvcc: on a CPU-only machine follow
         # docs/bridge.md instead of installing this extra.
         "bridge": ["megatron-bridge>=0.6.2,<0.7"],

@@ -21,7 +21,7 @@ Every key of the guard's YAML config (`MEGATRON_PATCHES_CONFIG`, or `--config` i
 with its type, its default and what it does. Every key has a working default; a wrong one is refused
 with one line naming it. Generated from `megatron_patches/config.py` (and `config_detectors.py`) by
 `python -m megatron_patches.config_reference > docs/configuration.md`; do not edit by hand
-(`tests/test_units_config.py` compares the two). How the sections work together:
+(`tests/units/test_units_config.py` compares the two). How the sections work together:
 [operations.md](operations.md#configuration).
 """
 

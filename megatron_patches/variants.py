@@ -15,7 +15,7 @@ TP; docs/moe.md), the precision-aware optimizer
 (``--optimizer-cpu-offload``: read there too, before ``HybridDeviceOptimizer`` copies it to the host), context
 parallelism (``--context-parallel-size``: ranks named with their ``cp``), torch FSDP2
 (``--use-torch-fsdp2``) and Megatron-FSDP (``--use-megatron-fsdp``): each rank's shard of the DTensor
-gradients, after the reduce-scatter of backward; tests/test_variant_loops.py.
+gradients, after the reduce-scatter of backward; tests/trainings/test_variant_loops.py.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ LASTING = ("param", "exp_avg", "exp_avg_sq")
 """Targets whose fault stays (in the weights, the optimizer state) until a rollback removes it."""
 LAYOUTS = {  # label -> (ranks, harness flags, rank a local/forward drill binds to, rank a grad/weight/state drill binds to)
     "1rank": (1, ("--precision", "bf16"), 0, 0),
-    # DP2 with the distributed optimizer: rank 0's shard holds all of PARAM (tests/test_drill_holders.py).
+    # DP2 with the distributed optimizer: rank 0's shard holds all of PARAM (tests/trainings/test_drill_holders.py).
     "dp2": (2, ("--precision", "bf16", "--distributed-optimizer"), 1, 0),
     # Tensor parallel: each rank holds half of fc1's rows (its own, unreduced gradient); the module's
     # output is the same on both after fc2's all-reduce, so a forward drill makes rank 1's differ.

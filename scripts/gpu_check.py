@@ -118,7 +118,7 @@ class Runner:
 
 LM_FLAGS = ("--bf16", "--use-distributed-optimizer", "--save-interval", "1000")
 LM_EXACT = {"recovery": {"mode": "in_process", "lr_factor": 1, "blacklist": "deterministic", "snapshot_interval": 5}}
-"""A rollback that changes nothing but the iterations redone (as tests/test_rollback_in_process.py)."""
+"""A rollback that changes nothing but the iterations redone (as tests/trainings/test_rollback_in_process.py)."""
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([^ |]+).*?")
 REDONE_LOSS = re.compile(r"\[megatron_patches\] redone iteration\s+(\d+)/\s*\d+ \| lm loss: ([^ |]+)")
 STEP_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)")

@@ -317,7 +317,7 @@ def assert_norm_is_megatrons(result: dict, steps: int) -> None:
     """On every step both measured, the guard's total gradient norm is the one Megatron's optimizer
     reported (relative difference <= 1e-5): same gradients, same parameters counted once. On a
     checked step Megatron reports the guard's own total (megatron_patches.seams.served_norm), so this
-    holds by construction there; tests/test_served_norm.py compares it with Megatron's own code."""
+    holds by construction there; tests/trainings/test_served_norm.py compares it with Megatron's own code."""
     gap = result["grad_norm_vs_megatron"]
     assert gap["steps"] == steps and gap["max_rel_diff"] <= 1e-5, gap
 
@@ -388,7 +388,7 @@ def pytest_collection_modifyitems(config, items):
     megatron-core line (the guard's own files, CLI, alerts, detectors' arithmetic, the harness's
     data), and the harness's detection, consistency, recovery, record and forward-origin runs,
     whose scenarios the 0.17+ line trains through Megatron-LM's own loop instead
-    (tests/test_megatron_lm.py, tests/test_moe.py, tests/test_served_norm.py). ``make test-all``
+    (tests/trainings/test_megatron_lm.py, tests/trainings/test_moe.py, tests/trainings/test_served_norm.py). ``make test-all``
     (which sets EVERY_LINE) runs them on every line."""
     if os.environ.get(EVERY_LINE) or _core_minor() < (0, 17):
         return

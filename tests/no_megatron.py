@@ -1,6 +1,6 @@
 """A pytest plugin (``-p no_megatron``) that makes every ``megatron`` and ``mindspeed`` module
 unimportable, as on a machine that has neither: the core's unit tests run under it
-(``tests/test_units_imports.py``), the tests that need Megatron skip themselves."""
+(``tests/units/test_units_imports.py``), the tests that need Megatron skip themselves."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""Stand-in for MindSpeed-LLM's training loop, for tests/test_mindspeed_llm.py (never in the package).
+"""Stand-in for MindSpeed-LLM's training loop, for tests/trainings/test_mindspeed_llm.py (never in the package).
 
 MindSpeed-LLM cannot run here (it imports torch_npu, and its training module pulls in much of
 MindSpeed and a Megatron-LM 0.12.1 checkout), so this runner reproduces the two facts about it the

@@ -1,7 +1,7 @@
 """Megatron's seams: everything that knows Megatron's classes, apart from the core pipeline.
 
 The core (:mod:`megatron_patches.monitor` and its stages: check, findings, respond, publish,
-recovery) never imports this package (``tests/test_units_imports.py``); it is handed
+recovery) never imports this package (``tests/units/test_units_imports.py``); it is handed
 :class:`MegatronSeams` when the monitor is made (:func:`build_monitor`).
 
 - the patch targets (:mod:`.targets`, by dotted string per megatron-core line), their installer

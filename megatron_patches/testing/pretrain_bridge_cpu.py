@@ -5,7 +5,7 @@ with a tiny GPT: mock data, megatron-core's local layer spec, gloo.
         -m megatron_patches.testing.pretrain_bridge_cpu --out DIR [--iters 5] [--save CKPT --save-interval 2] \\
         [--no-guard]
 
-For tests only (``tests/test_bridge.py``; docs/bridge.md). The order of the opening lines is the point:
+For tests only (``tests/trainings/test_bridge.py``; docs/bridge.md). The order of the opening lines is the point:
 the CPU stand-ins (:mod:`megatron_patches.testing.bridge_cpu`) before anything imports Megatron-Bridge,
 then ``import megatron_patches.apply`` as a Bridge user's script would have it, *before* its own
 ``megatron.bridge`` imports (Bridge's ``training/optim.py`` binds megatron-core's

@@ -25,7 +25,7 @@ DRILLS = {  # step -> (spec, what the record must name as altered)
 def dp2_run(where, audited: bool):
     """DP2, bf16, distributed optimizer (rank 0's shard holds FC1); a checkpoint two steps before
     each drill is the rollback target. The three drills are hardware-class faults on one device, which
-    would fence it at the second (``response.hardware_repeat`` 2, tests/test_cause.py): this test is
+    would fence it at the second (``response.hardware_repeat`` 2, tests/trainings/test_cause.py): this test is
     about the audit finding each, so it allows ten."""
     config = where / "guard.yaml"
     config.write_text(f"detectors: {{audit: {{enabled: {str(audited).lower()}}}}}\n"

@@ -1,5 +1,5 @@
 """What docs/architecture.md and docs/contributing.md claim about the code, read against the code
-(as tests/test_units_config.py reads docs/configuration.md against the config): who writes the
+(as tests/units/test_units_config.py reads docs/configuration.md against the config): who writes the
 recovery ledger, and which drill phases exist."""
 
 import ast
@@ -12,7 +12,7 @@ from megatron_patches import inject
 
 pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "megatron_patches"
 
 
@@ -43,7 +43,7 @@ def ledger_writers() -> set[str]:
 
 def test_architecture_md_names_every_ledger_writer_and_no_other():
     text = _doc("architecture.md")
-    claim = re.search(r"The ledger file is written \(`Ledger\.save`\) only in `recovery\.py`, by (.*?); `tests/test_units_docs\.py`", text)
+    claim = re.search(r"The ledger file is written \(`Ledger\.save`\) only in `recovery\.py`, by (.*?); `tests/units/test_units_docs\.py`", text)
     assert claim, "docs/architecture.md no longer says who writes the ledger"
     named = {f"recovery:{name}" for name in re.findall(r"`([\w.]+)`", claim.group(1))}
     assert named == ledger_writers(), (

@@ -28,10 +28,11 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_patches import checkpoint, variants
-from megatron_patches.seams import mindspeed, mindspeed_llm
+from megatron_patches.seams import mindspeed
+from megatron_patches.seams.mindspeed import llm as mindspeed_llm
 from megatron_patches.ledger import Ledger
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STANDIN_LOOP = REPO / "tests" / "standin_mindspeed_llm_loop.py"
 LAUNCHER = REPO / "scripts" / "restart_on_rollback.py"
 FC1 = "decoder.layers.1.mlp.linear_fc1.weight"

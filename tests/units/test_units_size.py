@@ -8,7 +8,7 @@ import pytest
 
 pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)
 
-PACKAGE = Path(__file__).resolve().parent.parent / "megatron_patches"
+PACKAGE = Path(__file__).resolve().parents[2] / "megatron_patches"
 LIMITS = {"module": 400, "function": 80, "class": 300}
 
 

@@ -1,7 +1,7 @@
 """Activations (``detectors.activations``, off by default; the campaign's hole 4): a module's output
 multiplied by 1,000, or one element with its exponent's high bit flipped, stays finite and the next
 layer norm hides it from every gradient check; its RMS or crest factor against its own history names
-the module, and the rank it happened on. Its clean trainings: tests/test_opt_in_clean.py."""
+the module, and the rank it happened on. Its clean trainings: tests/trainings/test_opt_in_clean.py."""
 
 import pytest
 

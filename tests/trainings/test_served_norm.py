@@ -18,7 +18,7 @@ from megatron_patches.testing import step_probe
 from megatron_patches.testing.pretrain_cpu import TINY_GPT_ARGS
 from test_megatron_lm import _packaged_loop_available
 
-AUDIT = Path(__file__).with_name("norm_audit.py")
+AUDIT = Path(__file__).resolve().parents[1] / "norm_audit.py"
 ITERATION = re.compile(r"iteration\s+(\d+)/.*?(lm loss: \S+).*?(grad norm: \S+)")
 
 
@@ -65,7 +65,7 @@ def test_single_rank_norm_served(tmp_path, args):
     assert_served_every_step(result, audits, steps=6)
 
 
-# Two ranks in each layout: tests/test_training.py::test_parallel_layouts_train_and_the_guard_serves_megatrons_norm.
+# Two ranks in each layout: tests/trainings/test_training.py::test_parallel_layouts_train_and_the_guard_serves_megatrons_norm.
 
 
 def test_unchecked_steps_compute_the_norm_as_stock(tmp_path):

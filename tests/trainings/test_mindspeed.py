@@ -433,7 +433,7 @@ def test_float_gather_keeps_float64_precision_in_float32_tensors(tmp_path):
         assert got[0] != torch.tensor(want[0], dtype=torch.float32).item()  # finer than float32
 
 
-# --- the scenario, run in a fresh process: python tests/test_mindspeed.py DIR KIND OUT RESULT -------
+# --- the scenario, run in a fresh process: python tests/trainings/test_mindspeed.py DIR KIND OUT RESULT -------
 
 
 def _stand_ins(mindspeed_dir: str, kind: str):

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VARIANTS = {"A", "B", "C", "D", "E"}
 COUNTED = {"default_extra_read_passes", "default_extra_host_reads", "all_detectors_read_passes",
            "default_torch_calls_per_check"}

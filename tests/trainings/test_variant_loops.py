@@ -5,7 +5,7 @@ Per variant: a NaN in the gradient the optimizer applies is named with its ranks
 the weights and the optimizer state untouched bit for bit (measured by
 :mod:`megatron_patches.testing.step_probe` on every rank) and the steps after it train; a persistent
 fault is rolled back to the healthy checkpoint and the job resumes. Guard on versus guard off bit
-for bit: tests/test_served_norm.py.
+for bit: tests/trainings/test_served_norm.py.
 
 Stand-ins, named (Transformer Engine needs CUDA and cannot run here): the precision-aware optimizer
 needs its ``FusedAdam``, here :class:`megatron_patches.testing.fused_adam.StandInFusedAdam`; context
@@ -99,7 +99,7 @@ def test_a_nan_the_optimizer_would_apply_is_named_and_its_step_leaves_weights_an
 
 
 # The FSDP variants' restart rollbacks run in make test-all: CI keeps their in-process rollback, which
-# restores the same state exactly (tests/test_rollback_in_process.py), within its time budget.
+# restores the same state exactly (tests/trainings/test_rollback_in_process.py), within its time budget.
 @pytest.mark.parametrize("name", [pytest.param("precision_aware_bf16_states", marks=pytest.mark.slow),
                                   "cpu_offload_half", pytest.param("torch_fsdp2", marks=pytest.mark.slow),
                                   pytest.param("megatron_fsdp", marks=pytest.mark.slow)])

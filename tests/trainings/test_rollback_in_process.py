@@ -36,12 +36,12 @@ LAYOUTS = {
     "dp2_bf16_distopt": (DP2_BF16_DISTOPT, FAULT),
     # Two stages: layer 1 and its fc1 live on rank 1 (no data parallelism: the optimizer's gradient).
     "pp2": (("--pipeline-model-parallel-size", "2"), f"nan:step=5,count=2,rank=1,param={FC1}"),
-    # Two expert ranks (a dense weight: the experts' own are named in tests/test_moe.py).
+    # Two expert ranks (a dense weight: the experts' own are named in tests/trainings/test_moe.py).
     # Interleaved: each virtual stage's data iterator taped on its own (make test-all).
     "pp2_vpp2": (("--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage",
                   "1"), "nan:step=5,count=2,rank=1,param=decoder.layers.3.mlp.linear_fc1.weight"),
     "dp2_fp32": ((), FAULT),
-    # The optimizer variants of tests/test_variant_loops.py (stand-ins named there): host copies of
+    # The optimizer variants of tests/trainings/test_variant_loops.py (stand-ins named there): host copies of
     # CPU offload, scaled states of the precision-aware optimizer, DTensor shards of FSDP2, and
     # Megatron-FSDP, whose compute weights are copied again from the restored main shards. Under
     # FSDP the drill lands after the reduce-scatter (no view of a rank's gradient before it).

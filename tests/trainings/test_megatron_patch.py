@@ -20,7 +20,7 @@ import pytest
 
 from megatron_patches.testing.pretrain_cpu import TINY_GPT_ARGS
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "megatron_patch.py"
 SDIST_VERSION = "0.16.1"
 OPTIMIZER = Path("megatron/core/optimizer/optimizer.py")

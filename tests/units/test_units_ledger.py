@@ -1,5 +1,5 @@
 """The rollback ledger without training: what it keeps across restarts, how a rollback is
-counted, and which fields it refuses (ledger.Ledger). tests/test_ledger.py loads hostile
+counted, and which fields it refuses (ledger.Ledger). tests/trainings/test_ledger.py loads hostile
 files end to end; these pin the arithmetic and the messages."""
 
 import json

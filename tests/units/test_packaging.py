@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = [pytest.mark.process, pytest.mark.one_line]  # a fresh process; the same on every line
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LEFT_OUT = "megatron_patches/testing/"
 
 

@@ -30,7 +30,7 @@ def test_parallel_layouts_train_and_the_guard_serves_megatrons_norm(tmp_path, ar
     (tests/norm_audit.py): the model trains, nothing is reported, and on every step of every rank
     the clipping norm came from the guard, equal to what Megatron's own code gives for the same
     gradients, Megatron never reading them for it. (Serving off, the default, is
-    tests/test_served_norm.py: Megatron computes every norm.)"""
+    tests/trainings/test_served_norm.py: Megatron computes every norm.)"""
     result, audits = run_audited(tmp_path, "--steps", "20", *args, nproc=2, min_drop=0.5)
     assert (result["tp"], result["pp"], result["dp"]) == layout
     assert result["world_size"] == 2 and result["incidents"] == 0

@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.one_line]  # once, on the 3.11 leg
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_dry_run_passes_every_check_and_writes_its_summary(tmp_path):

@@ -11,7 +11,7 @@ from megatron_patches.incidents import HISTORY_SCHEMA, INCIDENTS_FILE, JsonlWrit
 
 pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORLD = {"size": 4, "tp": 2, "pp": 2, "dp": 1, "cp": 1, "ep": 1}
 FC1 = "decoder.layers.3.mlp.linear_fc1.weight"
 

@@ -21,7 +21,7 @@ from megatron_patches.decisions import EXIT_CRITICAL, EXIT_PEER_LOST, EXIT_STOP
 
 pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FC1 = "decoder.layers.1.mlp.linear_fc1.weight"
 
 
@@ -496,7 +496,7 @@ def test_the_kill_drill_parses_strictly_and_fires_once():
 def test_a_job_ends_with_the_exit_code_its_config_gives_each_outcome(tmp_path, config, flags, expected):
     """response.exit_codes reaches the process's exit status: an error that stops and an
     exit-and-restart rollback, each with the code the config sets. (A critical stop with its
-    configured code: tests/test_recovery.py::test_faults_on_two_replicas_at_once_are_critical_and_every_rank_exits.)"""
+    configured code: tests/trainings/test_recovery.py::test_faults_on_two_replicas_at_once_are_critical_and_every_rank_exits.)"""
     path = tmp_path / "guard.yaml"
     path.write_text(config + "\n")
     run = run_tiny(tmp_path / "run", "--steps", "6", "--config", str(path), *flags,

@@ -14,7 +14,7 @@ from megatron_patches.seams.targets import TARGETS, TRAINING_TARGETS
 
 pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)
 
-PACKAGE = Path(__file__).resolve().parent.parent / "megatron_patches"
+PACKAGE = Path(__file__).resolve().parents[2] / "megatron_patches"
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -202,12 +202,12 @@ def test_the_core_units_run_with_no_megatron_importable():
     """The unit tests in a process where no ``megatron`` or ``mindspeed`` module imports (the
     ``tests/no_megatron.py`` plugin): every one passes or skips for want of Megatron; this test
     itself is left out of that run."""
-    tests = Path(__file__).resolve().parent
-    units = sorted(str(p) for p in tests.glob("test_units_*.py"))
+    tests = Path(__file__).resolve().parents[1]
+    units = sorted(str(p) for p in (tests / "units").glob("test_units_*.py"))
     here = f"{Path(__file__).name}::test_the_core_units_run_with_no_megatron_importable"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no_megatron", "-p", "no:cacheprovider",
-                          "--deselect", f"tests/{here}", *units], cwd=tests.parent, env=env,
+                          "--deselect", f"tests/units/{here}", *units], cwd=tests.parent, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout.splitlines()[-1], run.stdout[-500:]

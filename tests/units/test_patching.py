@@ -157,7 +157,7 @@ def test_readme_config_block_loads(tmp_path):
 
     from megatron_patches.config import load_config
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = readme.split("## Configuration", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
     (tmp_path / "guard.yaml").write_text(block)
     config = load_config(str(tmp_path / "guard.yaml"))

@@ -212,7 +212,7 @@ def test_a_clean_expert_parallel_job_trains_guarded_and_gets_megatrons_own_norm(
     """EP2, bf16, distributed optimizer, alltoall dispatcher, 8 iterations, ``serve_norm: true``: no
     incident, and on every step the norm the guard served equals what Megatron's own get_grad_norm
     gives for the same dense and expert gradients (to float32 rounding; by default Megatron computes
-    its own, tests/test_served_norm.py)."""
+    its own, tests/trainings/test_served_norm.py)."""
     audit = tmp_path / "audit"
     proc = moe_run(tmp_path, "--train-iters", "8", "--bf16", "--use-distributed-optimizer", *layout,
                    "--moe-token-dispatcher-type", "alltoall", "--out", str(audit), serve_norm=True, nproc=nproc,
@@ -387,7 +387,7 @@ def test_an_expert_tensor_parallel_shard_is_named_with_its_expert_and_ranks_and_
 def test_a_guarded_expert_tensor_parallel_run_equals_an_unguarded_one_bit_for_bit(tmp_path):
     """TP2 x EP2 with ETP 2 on 4 ranks, 20 iterations: every loss and grad norm Megatron prints and
     every bit of every rank's weights and optimizer state after every iteration are the same with
-    the guard and without it (tests/test_served_norm.py)."""
+    the guard and without it (tests/trainings/test_served_norm.py)."""
     from test_served_norm import _guarded_equals_unguarded
 
     _guarded_equals_unguarded(tmp_path, (*MOE, *ETP), nproc=4)

@@ -15,7 +15,7 @@ from megatron_patches import cli, report, versions
 from megatron_patches.seams import start_line
 from megatron_patches.seams.targets import TARGETS, TRAINING_TARGETS
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
@@ -355,9 +355,9 @@ def test_a_changed_limit_fails_the_comparison():
 def missing_citations() -> list[str]:
     """Tests the docs name (``test_...``, ``tests/x.py::test_...``) and repository paths they cite in
     code quotes (``megatron_patches/...``, ``tests/...``, ``scripts/...``) that do not exist."""
-    defined = {name for path in (REPO / "tests").glob("*.py")
+    defined = {name for path in (REPO / "tests").rglob("*.py")
                for name in re.findall(r"def (test_\w+)", path.read_text())}
-    files = {path.name for path in (REPO / "tests").glob("*.py")}
+    files = {path.name for path in (REPO / "tests").rglob("*.py")}
     tensorboard_tags = ("megatron_patches/checked_steps", "megatron_patches/incidents", "megatron_patches/layer_grad_norm",
                         "megatron_patches/skipped_steps", "megatron_patches/total_grad_norm")
     bad = []

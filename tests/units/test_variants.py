@@ -1,7 +1,7 @@
 """Optimizer and parallelism variants: each one checked, or refused at start in one line.
 
 The refusal functions are tested here directly (fast); the packaged Megatron-LM loop tests in
-tests/test_megatron_lm.py run real jobs that are refused, or checked (interleaved pipeline).
+tests/trainings/test_megatron_lm.py run real jobs that are refused, or checked (interleaved pipeline).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def test_the_no_replica_option_alone_changes_nothing_and_passes():
     {"num_experts": 4, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"},
     {"num_experts": 4, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "alltoall",
      "tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 2},  # experts split over TP ranks (ETP)
-    {"context_parallel_size": 2},  # tests/test_variant_loops.py
+    {"context_parallel_size": 2},  # tests/trainings/test_variant_loops.py
     {"use_precision_aware_optimizer": True, "use_distributed_optimizer": True},
     {"optimizer_cpu_offload": True, "use_precision_aware_optimizer": True, "use_distributed_optimizer": True},
     {"use_torch_fsdp2": True}, {"use_megatron_fsdp": True, "use_distributed_optimizer": True},

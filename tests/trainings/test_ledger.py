@@ -16,7 +16,7 @@ from megatron_patches.ledger import LEDGER_FILE, LEDGER_SCHEMA, Ledger
 
 pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCHER = os.path.join(REPO, "scripts", "restart_on_rollback.py")
 FC1 = "decoder.layers.1.mlp.linear_fc1.weight"
 

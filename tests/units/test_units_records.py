@@ -170,7 +170,7 @@ print(writer.write({"step": 2, "pad": "x" * 200}), writer.lost_writes)
 
 def test_a_line_cut_off_by_a_full_disk_is_removed_so_the_file_stays_whole(tmp_path):
     path = tmp_path / "incidents.jsonl"
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", _CUT, str(path)], capture_output=True, text=True, timeout=60,
                           cwd=repo, env={**os.environ, "PYTHONPATH": repo})
     assert proc.stdout.split() == ["False", "1"], proc.stderr

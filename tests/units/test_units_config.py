@@ -218,7 +218,7 @@ def test_the_environment_names_the_file_when_no_path_is_given(tmp_path, monkeypa
     assert load_config() == Config()
 
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_configuration_reference_is_the_one_the_code_generates():

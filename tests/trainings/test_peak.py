@@ -1,7 +1,7 @@
 """Gradient peaks (``detectors.peak``, off by default): one gradient element x1,000 lifts its
 tensor's norm about 8x, under every norm check, and its crest factor (largest magnitude over RMS)
 about 20x; the detector names the tensor, and under DP2 the pass before the reduction names the
-replica it came from. Its clean trainings: tests/test_opt_in_clean.py."""
+replica it came from. Its clean trainings: tests/trainings/test_opt_in_clean.py."""
 
 import pytest
 import torch
