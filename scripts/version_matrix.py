@@ -45,15 +45,15 @@ sys.path.insert(0, str(REPO))
 from megatron_patches import versions  # noqa: E402  (standard library only)
 DEFAULT_VERSIONS = ("0.12.3", "0.13.1", "0.14.0", "0.15.3", "0.16.1") if sys.version_info < (3, 12) \
     else ("0.17.1", "0.18.2", "0.19.2")
-_LOOP = "tests/trainings/test_megatron_lm.py::test_"
+_LOOP = "tests/trainings/test_megatron_lm_"
 FEATURES = {
     "install": ["tests/units/test_patching.py"],
     "detection": ["tests/trainings/test_detection.py::test_fp32_nan_named_and_skipped"],
     "names": ["tests/trainings/test_detection.py::test_tp2_nan_on_tensor_parallel_rank_1"],
     "rollback": ["tests/trainings/test_recovery.py::test_persistent_fault_rolls_back_with_lower_lr_and_blacklist"],
     "norm": ["tests/trainings/test_training.py::test_single_rank_fp32_trains", "tests/trainings/test_training.py::test_parallel_layouts_train"],
-    "loop_drill": [f"{_LOOP}pretrain_gpt_names_the_parameter_at_megatrons_iteration[package]"],
-    "loop_restart": [f"{_LOOP}persistent_fault_exits_84_and_the_launcher_resumes_from_the_healthy_checkpoint[package]"],
+    "loop_drill": [f"{_LOOP}origin.py::test_pretrain_gpt_names_the_parameter_at_megatrons_iteration[package]"],
+    "loop_restart": [f"{_LOOP}restart.py::test_persistent_fault_exits_84_and_the_launcher_resumes_from_the_healthy_checkpoint[package]"],
 }
 PROBE = ("import json, importlib.metadata as m, megatron.core, megatron_patches, numpy, torch; "
          "print(json.dumps({'megatron_core': m.version('megatron-core'), 'core_file': megatron.core.__file__, "

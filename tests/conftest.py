@@ -388,7 +388,7 @@ def pytest_collection_modifyitems(config, items):
     megatron-core line (the guard's own files, CLI, alerts, detectors' arithmetic, the harness's
     data), and the harness's detection, consistency, recovery, record and forward-origin runs,
     whose scenarios the 0.17+ line trains through Megatron-LM's own loop instead
-    (tests/trainings/test_megatron_lm.py, tests/trainings/test_moe.py, tests/trainings/test_served_norm.py). ``make test-all``
+    (tests/trainings/test_megatron_lm_*.py, tests/trainings/test_moe.py, tests/trainings/test_served_norm.py). ``make test-all``
     (which sets EVERY_LINE) runs them on every line."""
     if os.environ.get(EVERY_LINE) or _core_minor() < (0, 17):
         return

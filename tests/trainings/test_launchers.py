@@ -20,7 +20,7 @@ import pytest
 
 from megatron_patches.ledger import Ledger
 from megatron_patches.testing.pretrain_cpu import TINY_GPT_ARGS
-from test_megatron_lm import FC1, REPO, _packaged_loop_available, guard_env, incidents, iterations
+from megatron_lm_loop import FC1, REPO, _packaged_loop_available, guard_env, incidents, iterations
 
 NVRX_PATH = os.environ.get("NVRX_PATH")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import pytest
 
 from conftest import run_packaged_loop
-from test_megatron_lm import (  # noqa: F401 (loop_kind, megatron_lm_checkout: fixtures)
+from megatron_lm_loop import (  # noqa: F401 (loop_kind, megatron_lm_checkout: fixtures)
     ITERATION_LINE, TINY, _packaged_loop_available, guard_env, incidents, iterations, loop_kind, make_loop,
     megatron_lm_checkout, rollback_run)
 

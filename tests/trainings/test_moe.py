@@ -26,7 +26,7 @@ from megatron_patches.incidents import ParamFinding
 
 from megatron_patches.ledger import Ledger
 from conftest import run_packaged_loop
-from test_megatron_lm import (REPO, TINY, Loop, _packaged_loop_available, guard_env, incidents, iterations,
+from megatron_lm_loop import (REPO, TINY, Loop, _packaged_loop_available, guard_env, incidents, iterations,
                               report_text, rollback_run)
 
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2", "--disable-bias-linear"]

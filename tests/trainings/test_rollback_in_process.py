@@ -19,7 +19,7 @@ import pytest
 
 from megatron_patches.seams.megatron_lm import inprocess as megatron_lm_inprocess, state as megatron_lm_state
 from megatron_patches.testing import step_probe
-from test_megatron_lm import FC1, TINY, Loop, _packaged_loop_available, guard_env, incidents, iterations, patched_copy
+from megatron_lm_loop import FC1, TINY, Loop, _packaged_loop_available, guard_env, incidents, iterations, patched_copy
 from test_variant_loops import BF16_STATES, OFFLOAD, PRECISION_AWARE, VARIANTS, connections
 
 pytestmark = [pytest.mark.multiproc,

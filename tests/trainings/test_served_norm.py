@@ -16,7 +16,7 @@ import pytest
 from conftest import Run, assert_trained, run_forked, run_packaged_loop
 from megatron_patches.testing import step_probe
 from megatron_patches.testing.pretrain_cpu import TINY_GPT_ARGS
-from test_megatron_lm import _packaged_loop_available
+from megatron_lm_loop import _packaged_loop_available
 
 AUDIT = Path(__file__).resolve().parents[1] / "norm_audit.py"
 ITERATION = re.compile(r"iteration\s+(\d+)/.*?(lm loss: \S+).*?(grad norm: \S+)")

@@ -24,7 +24,7 @@ from dataclasses import replace
 import pytest
 
 from megatron_patches.testing import step_probe
-from test_megatron_lm import (FC1, REPO, TINY, Loop, _packaged_loop_available, guard_env, incidents, iterations,
+from megatron_lm_loop import (FC1, REPO, TINY, Loop, _packaged_loop_available, guard_env, incidents, iterations,
                              rollback_run)
 
 pytestmark = [pytest.mark.multiproc,

@@ -1,7 +1,8 @@
 """Optimizer and parallelism variants: each one checked, or refused at start in one line.
 
 The refusal functions are tested here directly (fast); the packaged Megatron-LM loop tests in
-tests/trainings/test_megatron_lm.py run real jobs that are refused, or checked (interleaved pipeline).
+tests/trainings/test_megatron_lm_refusals.py and test_megatron_lm_parallel.py run real jobs that are refused, or checked
+(interleaved pipeline).
 """
 
 from __future__ import annotations
