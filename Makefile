@@ -19,6 +19,8 @@ MEGATRON_CORE ?=
 NPROC ?= 4
 MEGATRON ?=
 PYTEST_ARGS ?=
+# A seed (or "random") runs the tests in one shuffled order (tests/conftest.py); empty: file order.
+TEST_SEED ?=
 
 .PHONY: install test test-fast test-all test-bridge layout-matrix demo bench bench-rollback campaign gpu-check patch unpatch patch-status clean
 
@@ -41,8 +43,9 @@ install: $(STAMP)
 # The CI suite: real tiny-GPT trainings on CPU (several ranks forked from pytest, or under
 # torchrun where the launcher is the subject). On the 0.17+ lines it leaves out the tests marked
 # one_line (see tests/conftest.py). The 15 slowest tests are listed at the end (CI's time budget).
+# TEST_SEED=<seed> runs them in the order that seed draws (printed at the end; CI's 3.12 leg does).
 test: install
-	$(VPY) -m pytest -q -m "not slow and not bench" --durations=15 $(PYTEST_ARGS) tests
+	MEGATRON_PATCHES_TEST_SEED=$(TEST_SEED) $(VPY) -m pytest -q -m "not slow and not bench" --durations=15 $(PYTEST_ARGS) tests
 
 # Units and one-rank runs forked from pytest: no test of several ranks (multiproc) or of a fresh
 # process (process), none slow; under 3 minutes on the 3.11 leg here.

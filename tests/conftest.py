@@ -383,13 +383,97 @@ def _core_minor() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+# --- Megatron's globals, reset around every test (issue 60 item 4) -----------------------------------
+# A test that runs Megatron in this process (a rerun-machine check, a session's save hooks) leaves
+# Megatron's module globals set; the ranks run_tiny forks from this process would inherit them. Each
+# is reset before and after every test, so any order passes; only modules already imported are touched
+# (the no-Megatron run imports none).
+
+MEGATRON_GLOBALS = (
+    ("megatron.core.parallel_state", "destroy_model_parallel"),  # groups, ranks, the global memory buffer
+    ("megatron.core.rerun_state_machine", "destroy_rerun_state_machine"),
+    ("megatron.core.num_microbatches_calculator", "destroy_num_microbatches_calculator"),
+    ("megatron.training.global_vars", "destroy_global_vars"),  # args, timers, writers, tokenizer (0.17+)
+)
+
+
+def reset_megatron_globals() -> list[str]:
+    """Reset each of :data:`MEGATRON_GLOBALS` whose module is imported; the names of those reset."""
+    done = []
+    for module_name, reset in MEGATRON_GLOBALS:
+        module = sys.modules.get(module_name)
+        if module is not None and hasattr(module, reset):
+            getattr(module, reset)()
+            done.append(f"{module_name}.{reset}")
+    return done
+
+
+@pytest.fixture(autouse=True)
+def megatron_globals():
+    """Megatron's globals as no test left them, before and after each test; a process group a test
+    made in this process and left is destroyed after it."""
+    reset_megatron_globals()
+    distributed = sys.modules.get("torch.distributed")
+    had_group = bool(distributed and distributed.is_available() and distributed.is_initialized())
+    yield
+    reset_megatron_globals()
+    distributed = sys.modules.get("torch.distributed")
+    if not had_group and distributed and distributed.is_available() and distributed.is_initialized():
+        distributed.destroy_process_group()
+
+
+# --- one shuffled order (issue 60 item 4) ------------------------------------------------------------
+# MEGATRON_PATCHES_TEST_SEED=<integer> (or "random", which draws one) runs the modules in a shuffled
+# order and each module's tests in a shuffled order within it (a module's fixtures are still made
+# once). The seed is printed at the end of the run; the same seed gives the same order.
+
+ORDER_SEED = "MEGATRON_PATCHES_TEST_SEED"
+_SEED = pytest.StashKey[int]()
+
+
+def order_seed(value: str) -> int | None:
+    """The seed ``value`` names (None: unset or empty, tests in file order)."""
+    if not value:
+        return None
+    if value == "random":
+        return int.from_bytes(os.urandom(4), "big")
+    try:
+        return int(value)
+    except ValueError:
+        raise pytest.UsageError(f"{ORDER_SEED} must be an integer seed or 'random', got {value!r}") from None
+
+
+def shuffled(items: list, seed: int) -> list:
+    """``items`` with their modules in an order drawn from ``seed``, and each module's items too."""
+    import random
+
+    draw = random.Random(seed)
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    groups = list(modules.values())
+    draw.shuffle(groups)
+    for group in groups:
+        draw.shuffle(group)
+    return [item for group in groups for item in group]
+
+
+def pytest_report_header(config):
+    seed = config.stash.get(_SEED, None)
+    return [f"test order: shuffled, {ORDER_SEED}={seed}"] if seed is not None else []
+
+
 def pytest_collection_modifyitems(config, items):
-    """``one_line`` tests run on the 0.16 line only under ``make test``: what is the same on every
+    """The shuffled order where :data:`ORDER_SEED` asks for one, then: ``one_line`` tests run on the 0.16 line only under ``make test``: what is the same on every
     megatron-core line (the guard's own files, CLI, alerts, detectors' arithmetic, the harness's
     data), and the harness's detection, consistency, recovery, record and forward-origin runs,
     whose scenarios the 0.17+ line trains through Megatron-LM's own loop instead
     (tests/trainings/test_megatron_lm_*.py, tests/trainings/test_moe.py, tests/trainings/test_served_norm.py). ``make test-all``
     (which sets EVERY_LINE) runs them on every line."""
+    seed = order_seed(os.environ.get(ORDER_SEED, ""))
+    if seed is not None:
+        config.stash[_SEED] = seed
+        items[:] = shuffled(items, seed)
     if os.environ.get(EVERY_LINE) or _core_minor() < (0, 17):
         return
     skip = pytest.mark.skip(reason=f"run on the 0.16 leg only (set {EVERY_LINE}=1 to run here)")
@@ -424,6 +508,9 @@ def pytest_sessionfinish(session):
 
 
 def pytest_terminal_summary(terminalreporter, config):
+    seed = config.stash.get(_SEED, None)
+    if seed is not None:
+        terminalreporter.line(f"test order: shuffled with {ORDER_SEED}={seed} (set it again to rerun this order)")
     left = config.stash.get(_LEFT_BEHIND, [])
     if left:
         terminalreporter.section(f"{len(left)} process(es) left behind by the tests, ended now",
