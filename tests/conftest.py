@@ -474,6 +474,9 @@ def pytest_collection_modifyitems(config, items):
     if seed is not None:
         config.stash[_SEED] = seed
         items[:] = shuffled(items, seed)
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:  # said now too: a run cut short still tells its order
+            reporter.write_line(f"test order: shuffled with {ORDER_SEED}={seed}")
     if os.environ.get(EVERY_LINE) or _core_minor() < (0, 17):
         return
     skip = pytest.mark.skip(reason=f"run on the 0.16 leg only (set {EVERY_LINE}=1 to run here)")
