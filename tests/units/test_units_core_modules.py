@@ -1,7 +1,7 @@
-"""Core modules no other unit test names (issue 60 item 4), each exercised directly: the
+"""Core modules no other unit test named (issue 60 item 4), each exercised directly: the
 callbacks' one-per-monitor attachment, the configuration's bounds and its file reader, a
-detector's rotation, the step clock of the run's state, the publisher's history file, and the
-monitor that holds them."""
+detector's rotation, the step clock of the run's state, the publisher's history file, the
+token-range and activation detectors, and the protocols Megatron's seams and the monitor keep."""
 
 import json
 
@@ -132,3 +132,57 @@ def test_token_ids_outside_the_vocabulary_are_counted_into_the_checks_vector_and
     out = torch.zeros(1)
     detector.local(CheckContext(step=2, entries=[], grads=[], norms=None, device=torch.device("cpu")), out)
     assert out.tolist() == [0.0]
+
+
+def protocol_members(protocol: type) -> set[str]:
+    """The names a ``typing.Protocol`` declares: its methods, properties and annotated attributes."""
+    names = set(getattr(protocol, "__annotations__", {}))
+    names |= {n for n, v in vars(protocol).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))}
+    return names
+
+
+def test_megatrons_seams_and_the_monitor_have_every_member_their_protocols_declare(monitor):
+    from megatron_patches import protocols
+    from megatron_patches.seams import MegatronSeams
+
+    seams = MegatronSeams()
+    assert protocol_members(protocols.Seams) and protocol_members(protocols.Guard)
+    assert sorted(n for n in protocol_members(protocols.Seams) if not hasattr(seams, n)) == []
+    assert sorted(n for n in protocol_members(protocols.Guard) if not hasattr(monitor, n)) == []
+
+
+def test_the_activation_detector_names_the_module_whose_output_jumps_after_its_warmup_and_only_that_one():
+    import torch
+
+    from megatron_patches.config_detectors import ActivationsConfig
+    from megatron_patches.detectors.activations import ActivationRange
+    from megatron_patches.detectors.base import CheckContext
+
+    model = torch.nn.Sequential()
+    model.add_module("mlp", torch.nn.Linear(3, 3))
+    model.add_module("norm", torch.nn.LayerNorm(3))
+    cfg = ActivationsConfig(modules=("mlp",), warmup_steps=3)
+    step, checked = [0], set(range(1, 6))
+    detector = ActivationRange(cfg, lambda: step[0], lambda s: s in checked)
+    assert detector.attach([model], None) == 1  # "norm" is named by no pattern
+
+    def check(scale: float) -> tuple[float, list]:
+        step[0] += 1
+        torch.manual_seed(step[0])
+        model(torch.randn(4, 3) * scale)
+        ctx = CheckContext(step=step[0], entries=[], grads=[], norms=None, device=torch.device("cpu"))
+        out = torch.zeros(1)
+        detector.local(ctx, out)
+        found = detector.verdict(ctx, [out.item()])
+        held = detector.held(ctx, {"dp": 0})
+        detector.commit(ctx, accepted=not found)
+        return out.item(), [(f.name, f.reasons) for f in held]
+
+    assert [check(1.0) for _ in range(4)] == [(0.0, [])] * 4  # the warmup and one step past it: quiet
+    flags, held = check(1000.0)
+    assert flags == 1.0 and held == [("mlp", ["activation:rms"])]
+    step[0] = 9  # a step the guard does not check: the hook reads nothing
+    model(torch.randn(4, 3) * 1000.0)
+    out = torch.zeros(1)
+    detector.local(CheckContext(step=9, entries=[], grads=[], norms=None, device=torch.device("cpu")), out)
+    assert out.item() == 0.0
