@@ -12,7 +12,7 @@ checked step down the pipeline with it::
 
     hooks -> check (check.CheckStage: vector, all-reduce, verdicts)
           -> locate (slow_path: this rank's RankReport, gathered to rank 0)
-          -> respond (respond.decide on rank 0: grade, assemble a frozen Incident; the Decision broadcast)
+          -> respond (respond: the gather, decide.decide on rank 0, the Decision broadcast)
           -> publish (publish.Publisher: record made once, scenes, alerts, history)
           -> the executor acts on the Decision (recovery) and hands back an Outcome
 """

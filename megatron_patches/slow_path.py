@@ -1,6 +1,6 @@
 """The slow path of a flagged step, on every rank: this rank's :class:`~megatron_patches.findings.RankReport`,
 the agreement on a decision (:meth:`~megatron_patches.respond.Responder.agree`: a bounded gather,
-rank 0's pure :func:`~megatron_patches.respond.decide`, a bounded broadcast), the scene, the
+rank 0's pure :func:`~megatron_patches.decide.decide`, a bounded broadcast), the scene, the
 hand-off to the publisher and the callbacks' events. Every function takes the run's
 :class:`~megatron_patches.run_state.RunState`; ending the process is left to the monitor.
 """
