@@ -60,7 +60,8 @@ class TrainingLoop(Protocol):
 
     def replay_step(self, step: int) -> dict:
         """Re-run forward/backward of ``step`` on the same micro-batches from the same RNG state
-        and run the check again (``monitor.replay_check``); no update. Returns
+        and run the check again (:meth:`~megatron_patches.monitor.GradMonitor.replay_check`: the
+        loop holds the monitor itself, not a ``Guard``); no update. Returns
         ``{"flagged": bool, "first": name or None, "bad_samples": [...]}`` (same on all ranks)."""
 
     def set_lr_scale(self, scale: float) -> None:
