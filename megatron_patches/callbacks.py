@@ -46,7 +46,7 @@ C = TypeVar("C", bound=Callback)
 def attached(monitor: Any, kind: "type[C]") -> C:
     """The monitor's callback of ``kind``, made (``kind(monitor)``) and added at the first call: one
     per monitor, and a new monitor gets a new one."""
-    found = monitor.callback_of(kind)
+    found = next((callback for callback in monitor.state.callbacks if isinstance(callback, kind)), None)
     if found is None:
         found = kind(monitor)
         monitor.add_callback(found)

@@ -22,7 +22,7 @@ import logging
 from dataclasses import replace
 from typing import Any, Optional
 
-from . import checkpoint
+from . import checkpoint, collectives
 from .cause import Cause, Signs, classify
 from .decisions import Action, Decision, Severity
 from .ledger import Ledger
@@ -73,7 +73,7 @@ def follow_cause(run: InProcessRecovery, episode: Episode) -> Episode:
     if cause.klass == "hardware" and held and decision.action == Action.SKIP_STEP:
         why = (f"cause hardware: the state held on rank(s) {list(held)} is corrupt and a skipped step would "
                "leave it so")
-        if run.monitor.config.response.on_error != "rollback":
+        if run.monitor.state.config.response.on_error != "rollback":
             return _decided(episode, Decision(Severity.ERROR, Action.STOP, f"{decision.reason}; {why}", decision.step,
                                               origins=decision.origins, signs=decision.signs))
         if run.ledger.rollbacks >= run.config.max_rollbacks:
@@ -110,9 +110,9 @@ def fence_decision(ledger: Ledger, cause: Optional[Cause], decision: Decision, r
 
 def count_device(run: InProcessRecovery, episode: Episode) -> Episode:
     """hardware: count the device in the ledger (saved); the ``response.hardware_repeat``-th fences it."""
-    response = run.monitor.config.response
+    response = run.monitor.state.config.response
     fenced = fence_decision(run.ledger, episode.cause, episode.decision, response.hardware_repeat,
-                            response.exit_codes.fence, run.monitor.rank, run.monitor.config.check_interval)
+                            response.exit_codes.fence, collectives.rank(), run.monitor.state.config.check_interval)
     if episode.cause is not None and episode.cause.klass == "hardware" and episode.cause.devices:
         run.save_ledger()
     return episode if fenced is episode.decision else _decided(episode, fenced)
@@ -143,7 +143,7 @@ def restore_target(run: InProcessRecovery, episode: Episode) -> Episode:
     if not episode.rolls_back:
         return episode
     passed = disqualify(run.ledger, episode.step, cause_of(episode))
-    if passed is not None and run.monitor.rank == 0:
+    if passed is not None and collectives.rank() == 0:
         log.warning("rollback target step %d disqualified: its redo met the fault again (cause %s) at step %d; "
                     "an older one is taken", passed, cause_of(episode), episode.step)
     target = healthy_target(run.loop.checkpoint_root, run.ledger.disqualified)

@@ -78,14 +78,14 @@ def attach_drills(monitor: Guard, model_chunks: list, ps: Any) -> int:
     """Hook each ``phase=forward``, ``phase=backward`` and ``phase=input`` drill onto the modules its pattern names on this rank;
     returns how many modules were hooked. A pattern matching nothing here is fine (another
     pipeline stage may hold that module). ``ps``: megatron-core's parallel state (``Seams.parallel_state``)."""
-    specs = monitor.drills.forward_specs()
+    specs = monitor.state.drills.forward_specs()
     if not specs:
         return 0
     hooked = 0
     for name, _, module in naming.name_modules(model_chunks, ps):
-        if module in monitor.drills.hooked:  # the same model registered again (another optimizer of it)
+        if module in monitor.state.drills.hooked:  # the same model registered again (another optimizer of it)
             continue
-        monitor.drills.hooked.add(module)
+        monitor.state.drills.hooked.add(module)
         for index, spec in specs:
             if fnmatch.fnmatchcase(name, spec.module):
                 if spec.phase == "input":
@@ -105,8 +105,8 @@ def _input_drill_hook(monitor: Guard, index: int, spec: Any, name: str):
         ids = args[0] if args else None
         if not (torch.is_tensor(ids) and not ids.is_floating_point() and ids.numel()):
             return None
-        step = monitor.upcoming_step()
-        if not monitor.drills.forward_due(index, step, monitor.rank, name):
+        step = monitor.state.clock.upcoming()
+        if not monitor.state.drills.forward_due(index, step, collectives.rank(), name):
             return None
         copy = ids.clone()
         faults.corrupt(spec, copy)
@@ -115,14 +115,14 @@ def _input_drill_hook(monitor: Guard, index: int, spec: Any, name: str):
         outside = (f"; {int(((copy < 0) | (copy >= size)).sum())} outside the vocabulary [0, {size})"
                    if isinstance(size, int) else "")
         log.warning("step %d: drill %r fired into the token ids fed to %s on rank %d: changed %d of %d%s", step,
-                    spec.text, name, monitor.rank, int((copy != ids).sum()), ids.numel(), outside)
+                    spec.text, name, collectives.rank(), int((copy != ids).sum()), ids.numel(), outside)
         return (copy, *args[1:])
     return hook
 
 
 def _drill_hook(monitor: Guard, index: int, spec: Any, name: str):
     def hook(module, args, output):
-        if not monitor.drills.forward_due(index, monitor.upcoming_step(), monitor.rank, name):
+        if not monitor.state.drills.forward_due(index, monitor.state.clock.upcoming(), collectives.rank(), name):
             return None
         if spec.phase == "backward":  # the gradient that will flow into this output
             target = next((t for t in _floating(output) if t.requires_grad), None)

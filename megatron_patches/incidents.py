@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Optional
 
-from . import naming
 from .cause import Cause, Signs, classify
 from .decisions import Decision, Severity
 
@@ -30,6 +29,13 @@ INCIDENTS_FILE = "incidents.jsonl"
 HISTORY_FILE = "grad_history.jsonl"
 
 SEVERITIES = tuple(s.value for s in Severity)
+
+
+def param_ranks(ranks: dict[str, int], info: Optional[Any]) -> dict[str, int]:
+    """This process's ``ranks`` (:func:`~megatron_patches.naming.rank_info`) as they hold for one
+    parameter (``info``: its :class:`~megatron_patches.naming.ParamInfo`): ``vpp`` is the virtual
+    pipeline rank of the chunk the parameter is in, not the one being run right now."""
+    return {**ranks, "vpp": info.chunk} if info is not None else ranks
 
 
 @dataclass
@@ -73,7 +79,7 @@ class ParamFinding:
             return cls(name=f"<unnamed {tuple(fields['shape'])}>", layer=None, order=-1, ranks=ranks, **fields)
         expert = {"global": info.expert[0], "local": info.expert[1]} if info.expert is not None else None
         full = list(info.full_shape) if info.full_shape is not None else None
-        return cls(name=info.name, layer=info.layer, order=info.order, ranks=naming.param_ranks(ranks, info),
+        return cls(name=info.name, layer=info.layer, order=info.order, ranks=param_ranks(ranks, info),
                    expert=expert, full_shape=full, **fields)
 
     def as_record(self) -> dict:

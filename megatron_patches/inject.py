@@ -42,7 +42,7 @@ per step (:meth:`Injector.fired_at`), so an incident is labelled injected only b
 fired at its step, never by a spec whose window merely covers it.
 
 The run's drills are one :class:`Injector` its monitor makes from ``config.inject`` before
-anything else (a bad spec stops the start) and holds as ``monitor.drills``; the hooks, the seams
+anything else (a bad spec stops the start) and holds as ``monitor.state.drills``; the hooks, the seams
 and the recovery executors reach it there. Without specs it does nothing.
 """
 
@@ -394,5 +394,5 @@ def refuse_unmatched(injector: Injector, chunks: list, rank: int, stepped: Itera
 
 def build(texts: Iterable[str], clock: Optional[Callable[[], tuple[int, int]]] = None) -> Injector:
     """The drills ``texts`` (``config.inject``) describe; ``clock`` is as for :class:`Injector`.
-    A bad spec raises :class:`ConfigError`. The run's monitor holds the result (``monitor.drills``)."""
+    A bad spec raises :class:`ConfigError`. The run's monitor holds the result (``monitor.state.drills``)."""
     return Injector([parse_spec(text) for text in texts], clock=clock)

@@ -9,7 +9,7 @@ routing of the step is gone, so it is kept while the step runs: a forward hook o
 adds this micro-batch's ``routing_map.sum(0)`` (tokens per global expert) and
 ``isfinite(probs).all()`` to per-layer tensors on the device, on checked steps only. Nothing is
 read on the host unless the step becomes an incident (:meth:`RoutingWatch.share`); the record then
-carries ``moe_routing`` (:func:`record_field`). An expert that got zero tokens is recorded there,
+carries ``moe_routing`` (:func:`megatron_patches.decide.routing_field`). An expert that got zero tokens is recorded there,
 never an incident by itself.
 
 Megatron's rerun of a step in place routes the same tokens again: :meth:`RoutingWatch.restart`
@@ -76,20 +76,3 @@ class RoutingWatch:
             return None
         return {layer: {"tokens_per_expert": [int(n) for n in tokens.tolist()], "router_finite": bool(finite)}
                 for layer, (tokens, finite) in self._layers.items()}
-
-
-def record_field(shares: list[tuple[int, dict]]) -> Optional[dict]:
-    """Rank 0: the record's ``moe_routing`` from every rank's (global rank, :meth:`RoutingWatch.share`):
-    per MoE layer, tokens sent to each global expert summed over the ranks, the experts that got
-    none, and the ranks whose routing probabilities were non-finite."""
-    layers: dict[str, dict[str, Any]] = {}
-    for rank, share in shares:
-        for layer, seen in share.items():
-            entry = layers.setdefault(layer, {"tokens_per_expert": [0] * len(seen["tokens_per_expert"]),
-                                              "router_nonfinite_ranks": []})
-            entry["tokens_per_expert"] = [a + b for a, b in zip(entry["tokens_per_expert"], seen["tokens_per_expert"])]
-            if not seen["router_finite"]:
-                entry["router_nonfinite_ranks"].append(rank)
-    for entry in layers.values():
-        entry["zero_token_experts"] = [g for g, n in enumerate(entry["tokens_per_expert"]) if n == 0]
-    return {"layers": layers} if layers else None

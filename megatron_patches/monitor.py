@@ -12,7 +12,7 @@ checked step down the pipeline with it::
 
     hooks -> check (check.CheckStage: vector, all-reduce, verdicts)
           -> locate (slow_path: this rank's RankReport, gathered to rank 0)
-          -> respond (respond.decide on rank 0: grade, assemble a frozen Incident; the Decision broadcast)
+          -> respond (respond: the gather, decide.decide on rank 0, the Decision broadcast)
           -> publish (publish.Publisher: record made once, scenes, alerts, history)
           -> the executor acts on the Decision (recovery) and hands back an Outcome
 """
@@ -20,7 +20,8 @@ checked step down the pipeline with it::
 from __future__ import annotations
 
 import logging
-from typing import Any, NoReturn, Optional, TypeVar
+from types import MappingProxyType
+from typing import Any, Mapping, NoReturn, Optional
 
 import torch
 
@@ -38,23 +39,6 @@ from .run_state import RunState
 
 log = logging.getLogger("megatron_patches")
 
-T = TypeVar("T")
-
-
-class _OfState:
-    """A monitor attribute that is its run state's: read and written on ``monitor.state``
-    (executors, integrations and seams use these names, :class:`~megatron_patches.protocols.Guard`)."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, monitor: Optional["GradMonitor"], owner: type) -> Any:
-        return self if monitor is None else getattr(monitor.state, self.name)
-
-    def __set__(self, monitor: "GradMonitor", value: Any) -> None:
-        setattr(monitor.state, self.name, value)
-
-
 class GradMonitor:
     """Checks the gradients an optimizer is about to clip and apply.
 
@@ -63,15 +47,6 @@ class GradMonitor:
     :meth:`before_grad_reduction`. Executors and integrations use what
     :class:`megatron_patches.protocols.Guard` lists.
     """
-
-    # The run's state, by the names executors, integrations and seams use (see RunState for each).
-    config, seams, report_dir = _OfState(), _OfState(), _OfState()
-    drills, model_chunks, rerun, peers = _OfState(), _OfState(), _OfState(), _OfState()
-    detectors, stage, origin, routing, responder, publisher = (_OfState(), _OfState(), _OfState(), _OfState(),
-                                                                _OfState(), _OfState())
-    counters, last_total_norm, checked_norm, last_layer_norms = _OfState(), _OfState(), _OfState(), _OfState()
-    decision, last_incident = _OfState(), _OfState()
-    executor, rollbacks, callbacks = _OfState(), _OfState(), _OfState()
 
     def __init__(self, config: Config, seams: Seams):
         """``seams``: Megatron's side (:class:`megatron_patches.seams.MegatronSeams`)."""
@@ -83,9 +58,10 @@ class GradMonitor:
         """'ieee' or 'saturation'; 'auto' is asked on the rank's own device at the first use."""
         return self.state.resolved_overflow_mode()
 
-    @overflow_mode.setter
-    def overflow_mode(self, mode: str) -> None:  # tests and the saturation drills
-        self.state.overflow_mode = mode
+    @property
+    def counters(self) -> Mapping[str, int]:
+        """The run's counters, read-only (:meth:`count` adds to them)."""
+        return MappingProxyType(self.state.counters)
 
     @property
     def rank(self) -> int:
@@ -97,10 +73,6 @@ class GradMonitor:
     @property
     def step(self) -> int:
         return self.state.clock.step
-
-    def upcoming_step(self) -> int:
-        """The step whose gradients are being made now (before ``prepare_grads`` counts it)."""
-        return self.state.clock.upcoming()
 
     def set_step(self, step: int) -> None:
         """Name the optimizer step about to run (1-based, as Megatron prints iterations).
@@ -118,8 +90,8 @@ class GradMonitor:
         """What a checkpoint carries so a restart keeps its baselines and counters."""
         return {
             "step": self.state.clock.step,
-            "counters": dict(self.counters),
-            "detectors": {d.name: d.state_dict() for d in self.detectors},
+            "counters": dict(self.state.counters),
+            "detectors": {d.name: d.state_dict() for d in self.state.detectors},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -128,8 +100,8 @@ class GradMonitor:
         # Counters are totals over the job's life: a rollback in this process must not lower
         # them, a fresh process resuming takes the saved ones.
         for name, value in state.get("counters", {}).items():
-            self.counters[name] = max(self.counters.get(name, 0), value)
-        for detector in self.detectors:
+            self.state.counters[name] = max(self.state.counters.get(name, 0), value)
+        for detector in self.state.detectors:
             if detector.name in state.get("detectors", {}):
                 detector.load_state_dict(state["detectors"][detector.name])
 
@@ -194,7 +166,7 @@ class GradMonitor:
         and the origin pass go in there (:mod:`~megatron_patches.seams.grad_sync`); for other models, here."""
         run = self.state
         chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-        step = self.upcoming_step()
+        step = self.state.clock.upcoming()
         if not run.seams.covers(chunks):
             if run.drills:
                 run.counters["injected"] += len(run.drills.apply(step, "local", self.rank, run.seams.named_grads(chunks)))
@@ -203,22 +175,12 @@ class GradMonitor:
         for detector in run.detectors:
             detector.before_reduction(chunks, step)
 
-    def note_bucket_check(self) -> None:
-        """Megatron's per-bucket check ran under the guard (:mod:`megatron_patches.seams.bucket_norms`):
-        the origin flag comes from its norms from now on, with no read of our own."""
-        self.state.origin.note_bucket_check()
-
-    def note_pre_reduction(self, findings: list) -> None:
-        """This rank's own gradients were non-finite before the data-parallel reduction (found
-        by Megatron's bucket check): this rank is an origin, and the record names ``findings``."""
-        self.state.origin.note(findings)
-
     # --- check -> locate -> respond -> publish ---------------------------------------------
 
     def _check(self, optimizer: Any, entries: list, step: int, action: Action = Action.SKIP_STEP) -> bool:
         run = self.state
         before = run.origin.take()
-        verdict = run.stage.run(optimizer, entries, step, before.flag, self.overflow_mode == "saturation")
+        verdict = self._verdict(optimizer, step, before, entries)
         self._note_checked(optimizer, entries, verdict)
         self._tell("after_check", step, verdict.flagged)
         run.origin.commit(accepted=not verdict.flagged)
@@ -230,6 +192,16 @@ class GradMonitor:
         run.stage.commit(verdict, accepted=False)
         return True
 
+    def _verdict(self, optimizer: Any, step: int, before: PreReduction, entries: Optional[list] = None,
+                 replay: bool = False) -> Verdict:
+        """The check stage on ``optimizer``'s gradients for ``step`` (``entries``: its gradient
+        pairs, looked up when not given), with what this rank saw before the reduction."""
+        run = self.state
+        if entries is None:
+            entries = run.stage.entries_for(optimizer)
+        return run.stage.run(optimizer, entries, step, before.flag, run.resolved_overflow_mode() == "saturation",
+                             replay=replay)
+
     def _note_checked(self, optimizer: Any, entries: list, verdict: Verdict) -> None:
         """A training step's check: counters, the served norm, the history line."""
         run, ctx = self.state, verdict.ctx
@@ -237,7 +209,7 @@ class GradMonitor:
         run.counters["checked_steps"] += 1
         run.last_total_norm = ctx.total_norm
         if run.config.serve_norm:
-            run.seams.remember_norm(self, optimizer, ctx.step, ctx.total_norm, entries, ctx.grads)
+            run.seams.remember_norm(optimizer, ctx.step, ctx.total_norm, entries, ctx.grads)
         run.last_layer_norms = verdict.layer_norms
         if self.rank == 0:
             run.publisher.write_history(ctx.step, ctx.total_norm, verdict.layer_sq)
@@ -247,7 +219,8 @@ class GradMonitor:
         run if the decision says so and the executor does not act in process.
         ``cause``: the loss scaler's event that made this skipped step an incident."""
         decision = slow_path.handle_incident(self.state, verdict, action, before, cause)
-        if decision.ends_run and not getattr(self.executor, "in_process", False):
+        executor = self.state.executor
+        if decision.ends_run and not (executor is not None and executor.in_process):
             self.exit(decision)
 
     def _scaler_overflow(self, optimizer: Any, step: int) -> bool:
@@ -261,8 +234,7 @@ class GradMonitor:
         event = run.loss_scale.overflow(optimizer)
         if event is None:
             return True
-        verdict = run.stage.run(optimizer, run.stage.entries_for(optimizer), step, before.flag,
-                                self.overflow_mode == "saturation")
+        verdict = self._verdict(optimizer, step, before)
         self._tell("after_check", step, True)
         self._incident(verdict, Action.SKIP_STEP, before, cause=event)
         run.stage.commit(verdict, accepted=False)
@@ -285,8 +257,7 @@ class GradMonitor:
             run.loss_scale.clear()
             if step % run.config.check_interval:
                 return result
-            verdict = run.stage.run(optimizer, run.stage.entries_for(optimizer), step, run.origin.take().flag,
-                                    self.overflow_mode == "saturation", replay=True)
+            verdict = self._verdict(optimizer, step, run.origin.take(), replay=True)
             run.stage.commit(verdict, accepted=False)  # judged, but baselines stay as they were
             try:
                 result = run.responder.replay_verdict(verdict)
@@ -307,10 +278,6 @@ class GradMonitor:
     def _tell(self, event: str, *args: Any) -> list:
         """Call ``event`` (a :class:`~megatron_patches.callbacks.Callback` method) on every callback, in order."""
         return run_state.tell(self.state, event, *args)
-
-    def callback_of(self, kind: type[T]) -> Optional[T]:
-        """The first callback added that is a ``kind``, or None (an integration finds its own)."""
-        return next((callback for callback in self.state.callbacks if isinstance(callback, kind)), None)
 
     def count(self, counter: str, n: int = 1) -> None:
         """Add ``n`` to one of :attr:`counters` (the hooks and seams report what they did here)."""
@@ -342,9 +309,9 @@ class GradMonitor:
         in a collective. The executor settles the decision first (the exit-and-restart one writes
         the ledger, and turns a rollback it cannot record into a critical stop)."""
         self._tell("before_exit", decision)
-        if self.executor is not None:
-            decision = self.executor.settle_exit(decision)
-        code = exit_code(decision, self.config.response.exit_codes)
+        if self.state.executor is not None:
+            decision = self.state.executor.settle_exit(decision)
+        code = exit_code(decision, self.state.config.response.exit_codes)
         self.close()
         log.warning("stopping with exit code %d", code)
         if torch.distributed.is_initialized():

@@ -92,12 +92,6 @@ def rank_info(ps: Any) -> dict[str, int]:
     return ranks
 
 
-def param_ranks(ranks: dict[str, int], info: Optional[ParamInfo]) -> dict[str, int]:
-    """This process's ``ranks`` (:func:`rank_info`) as they hold for one parameter: ``vpp`` is the
-    virtual pipeline rank of the chunk the parameter is in, not the one being run right now."""
-    return {**ranks, "vpp": info.chunk} if info is not None else ranks
-
-
 def expert_of(name: str, ep_rank: int, local_experts: int) -> Optional[tuple[int, int]]:
     """(global, local) index of the routed expert a parameter or module ``name`` belongs to, on
     the rank of expert-parallel rank ``ep_rank`` holding ``local_experts`` experts; None outside

@@ -1,6 +1,6 @@
 """The typed seams between the guard and what drives it.
 
-:class:`Guard` is what recovery executors and integrations may use on the guard
+:class:`Guard` is what recovery executors, integrations and the hook-side seams may use on the guard
 (:class:`~megatron_patches.monitor.GradMonitor` implements it); :class:`Executor` is what the guard
 calls on the recovery executor attached to it (:mod:`megatron_patches.recovery`); :class:`Seams`
 is what the core pipeline asks of Megatron's side (:class:`megatron_patches.seams.MegatronSeams`),
@@ -13,14 +13,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ContextManager, Iterable, NoReturn, Optional, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover - names for the annotations only
-    from .config import Config
-    from .incidents import Incident, Outcome, ParamFinding
+    from .incidents import Outcome, ParamFinding
     from .decisions import Decision
     from .findings import RankReport
     from .callbacks import Callback
-    from .collectives import BoundedGroup
-    from .inject import Injector
-    from .moe_routing import RoutingWatch
 
 
 class Executor(Protocol):
@@ -33,6 +29,9 @@ class Executor(Protocol):
 
     replays: bool
     """True: it replays an incident's step itself (``TrainingLoop.replay_step``), so a decision may ask for it."""
+    ledger_path: Optional[str]
+    """Where an exit-and-restart rollback's outcome is written (an incident's record names it); None
+    where the executor rolls back in process."""
 
     def settle_exit(self, decision: "Decision") -> "Decision":
         """Last work before the process ends for ``decision`` (write the ledger); returns the
@@ -149,9 +148,9 @@ class Seams(Protocol):
     def undo_prepare_on_skip(self, optimizer: Any) -> Any:
         """Undo what ``prepare_grads`` changed when no update follows (MindSpeed)."""
 
-    def remember_norm(self, guard: "Guard", optimizer: Any, step: int, total_norm: float,
-                      entries: list, grads: list) -> None:
-        """Keep the check's total norm for Megatron's ``get_grad_norm`` of the same step."""
+    def remember_norm(self, optimizer: Any, step: int, total_norm: float, entries: list, grads: list) -> None:
+        """Keep the check's total norm for Megatron's ``get_grad_norm`` of the same step (the seams
+        hold it: :class:`megatron_patches.seams.served_norm.HeldNorm`)."""
 
     def rng_state(self) -> dict:
         """Every random-number generator a step draws from on this rank (a fault scene keeps it)."""
@@ -181,63 +180,25 @@ class Seams(Protocol):
 
 
 class Guard(Protocol):
-    """What executors, integrations, training loops and the hook-side modules (bucket_norms,
-    served_norm, forward_origin) use on the guard."""
+    """What executors, loop integrations and the hook-side modules (bucket_norms, served_norm,
+    forward_origin, the wrappers) may call on the guard: twelve members. The run's objects are read
+    on :attr:`state`; only the core writes them (``tests/test_units_house.py``)."""
 
-    config: "Config"
-    seams: Seams
-    """Megatron's side, as the core may use it (the job's parallel layout for the names, in a replay)."""
-    counters: dict[str, int]
-    """Totals over the job: checked_steps, skipped_steps, incidents, scaler_overflows, injected, served_norms,
-    norm_kernel_calls (Megatron's L2 norm-kernel calls while guarded), shared_norm_reads (those answered
-    from the check's own call)."""
-    last_total_norm: Optional[float]
-    last_layer_norms: dict[str, float]
-    last_incident: Optional["Incident"]
-    """The last incident as rank 0 assembled it (None on the other ranks)."""
-    executor: Optional[Executor]
-    rollbacks: int
-    callbacks: list["Callback"]
-    """The integrations that hear of the run's events (:class:`~megatron_patches.callbacks.Callback`)."""
+    state: Any
+    """Everything the run keeps (:class:`~megatron_patches.run_state.RunState`): its config, drills,
+    model chunks, counters, last incident... Read it; change it through the methods below."""
 
-    checked_norm: Optional[Any]
-    """The last check's total norm (a device tensor) until Megatron's get_grad_norm takes it (:mod:`~megatron_patches.seams.served_norm`)."""
-    routing: "RoutingWatch"
-    """Tokens per expert and router finiteness of the step being made (:mod:`~megatron_patches.moe_routing`)."""
-    detectors: list
-    """The run's detectors (:mod:`~megatron_patches.detectors`): a registered model is handed to their ``attach``."""
+    def set_step(self, step: int) -> None:
+        """Name the optimizer step about to run (1-based); without it the guard counts ``prepare_grads``."""
 
-    # The run's state beside the pipeline (what the hooks and seams keep between calls).
-    drills: "Injector"
-    """The run's fault drills (:class:`~megatron_patches.inject.Injector`)."""
-    model_chunks: ModelChunks
-    """Optimizer -> model chunks, bucket group -> parameters (:class:`~megatron_patches.seams.model_chunks.ModelChunks`)."""
-    rerun: Any
-    """Megatron's rerun of a checked step in place (:class:`~megatron_patches.seams.rerun_machine.RerunWatch`;
-    the seams that use it read more of it than the core's :class:`RerunWatch` names, so the type is theirs)."""
-    peers: "BoundedGroup"
-    """The guard's bounded gloo group for the slow path (:class:`~megatron_patches.collectives.BoundedGroup`)."""
+    def set_batch(self, sample_indices: list, tokens: Optional[list] = None, **info: Any) -> None:
+        """The dataset indices (and micro-batches, and fields for the record) of the step being made."""
 
-    @property
-    def rank(self) -> int: ...
+    def state_dict(self) -> dict:
+        """What a checkpoint carries so a restart keeps its baselines and counters."""
 
-    def upcoming_step(self) -> int:
-        """The step whose gradients are being made now (drills, the bucket check)."""
-
-    def note_bucket_check(self) -> None: ...
-
-    def note_pre_reduction(self, findings: list) -> None: ...
-
-    @property
-    def step(self) -> int: ...
-
-    def set_step(self, step: int) -> None: ...
-
-    def set_batch(self, sample_indices: list, tokens: Optional[list] = None, **info: Any) -> None: ...
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: dict) -> None: ...
+    def load_state_dict(self, state: dict) -> None:
+        """Take back what :meth:`state_dict` gave."""
 
     def attach(self, executor: Executor, rollbacks: int) -> None:
         """Make ``executor`` act on the guard's decisions; ``rollbacks`` so far (the ledger's)."""
@@ -245,17 +206,11 @@ class Guard(Protocol):
     def add_callback(self, callback: "Callback") -> None:
         """Let ``callback`` (:class:`~megatron_patches.callbacks.Callback`) hear of the run's events."""
 
-    def callback_of(self, kind: type) -> Any:
-        """The first callback added that is a ``kind``, or None."""
-
     def count(self, counter: str, n: int = 1) -> None:
-        """Add ``n`` to ``counters[counter]``."""
+        """Add ``n`` to ``state.counters[counter]``."""
 
     def take_decision(self) -> Optional["Decision"]:
         """The last incident's decision (identical on every rank), once."""
-
-    def replay_check(self, optimizer: Any, step: int) -> dict:
-        """The check on gradients recomputed for ``step``: ``{"flagged", "first"}`` on every rank."""
 
     def resolve(self, outcome: "Outcome") -> None:
         """The executor's outcome for the incident held for it; rank 0 publishes the record."""
@@ -265,6 +220,3 @@ class Guard(Protocol):
 
     def exit(self, decision: "Decision") -> NoReturn:
         """End the process for ``decision`` on every rank (SystemExit with its exit code)."""
-
-    def close(self) -> None: ...
-

@@ -60,7 +60,8 @@ class TrainingLoop(Protocol):
 
     def replay_step(self, step: int) -> dict:
         """Re-run forward/backward of ``step`` on the same micro-batches from the same RNG state
-        and run the check again (``monitor.replay_check``); no update. Returns
+        and run the check again (:meth:`~megatron_patches.monitor.GradMonitor.replay_check`: the
+        loop holds the monitor itself, not a ``Guard``); no update. Returns
         ``{"flagged": bool, "first": name or None, "bad_samples": [...]}`` (same on all ranks)."""
 
     def set_lr_scale(self, scale: float) -> None:
@@ -110,10 +111,10 @@ def replay(run: "InProcessRecovery", episode: Episode) -> Episode:
         return episode
     monitor = run.monitor
     monitor.set_step(episode.step)  # the replayed forward is this step again (forward drills)
-    with forward_origin.ForwardTrace(monitor.model_chunks.modules(), monitor.seams.parallel_state()) as trace:
+    with forward_origin.ForwardTrace(monitor.state.model_chunks.modules(), monitor.state.seams.parallel_state()) as trace:
         again = run.loop.replay_step(episode.step)
-    origin, backward = forward_origin.gather_origin(trace, monitor.peers)
-    incident = monitor.last_incident
+    origin, backward = forward_origin.gather_origin(trace, monitor.state.peers)
+    incident = monitor.state.last_incident
     if again["flagged"]:
         first = incident.first_name if incident is not None else None
         bad = set(again["bad_samples"])
@@ -201,7 +202,7 @@ def record_rollback(run: "InProcessRecovery", episode: Episode) -> Episode:
     run.episode_samples = []
     target = "in-memory snapshot" if outcome.checkpoint == IN_MEMORY else f"healthy checkpoint {outcome.checkpoint}"
     left_out = f", iterations {list(outcome.iterations_skipped)} skipped" if outcome.iterations_skipped else ""
-    if run.monitor.rank == 0:  # the blacklist is rank 0's (it gathers the episode's samples)
+    if collectives.rank() == 0:  # the blacklist is rank 0's (it gathers the episode's samples)
         log.warning("rolled back from step %d to %s (step %d); lr scale %.3g; %d samples blacklisted%s; "
                     "rollback %d of %d", episode.step, target, outcome.rolled_back_to, ledger.lr_scale,
                     len(outcome.blacklisted), left_out, ledger.rollbacks, run.config.max_rollbacks)
@@ -245,12 +246,14 @@ class InProcessRecovery:
 
     in_process = True
     replays = True
+    ledger_path: Optional[str] = None
+    """None: its incidents' records carry no ledger (an in-process rollback is recorded with its outcome)."""
 
     def __init__(self, monitor: Guard, loop: TrainingLoop, steps: tuple[RecoveryStep, ...] = IN_PROCESS_STEPS):
         self.monitor = monitor
         self.loop = loop
         self.steps = steps
-        self.config = monitor.config.recovery
+        self.config = monitor.state.config.recovery
         self.ledger = Ledger.load(loop.checkpoint_root)
         self.episode_samples: list = []
         """Every sample fed since the last rollback's incident (``blacklist: always``)."""
@@ -271,7 +274,7 @@ class InProcessRecovery:
         return episode.resume_at
 
     def save_ledger(self) -> None:
-        save_in_process(self.ledger, self.loop.checkpoint_root, self.monitor.rank)
+        save_in_process(self.ledger, self.loop.checkpoint_root, collectives.rank())
 
     def settle_exit(self, decision: Decision) -> Decision:
         """Nothing to write before an exit: the ledger was saved at each rollback."""
@@ -294,12 +297,12 @@ class ExitAndRestart(Callback):
         self.checkpoint_root = checkpoint_root
         self.ledger_path = os.path.abspath(Ledger.path(checkpoint_root))
         """Named in each rollback's record, so that ``report`` finds the restart's outcome."""
-        self.config = monitor.config.recovery
+        self.config = monitor.state.config.recovery
         self.ledger = Ledger.load(checkpoint_root)
         self._request_fields = request_fields
         self.episode_samples: list = []
         """Rank 0: every rank's samples of this episode's incidents (``blacklist: always``)."""
-        monitor.drills.spend(self.ledger.spent_injections)
+        monitor.state.drills.spend(self.ledger.spent_injections)
         monitor.add_callback(self)
         monitor.attach(self, self.ledger.rollbacks)
 
@@ -316,13 +319,13 @@ class ExitAndRestart(Callback):
         """Rank 0 writes the ledger for the restart. Where it cannot, a restart would resume
         without knowing why (no LR scale, no blacklist, no count against the budget): rank 0
         then stops critically instead, which no launcher takes for a rollback."""
-        codes = self.monitor.config.response.exit_codes
+        codes = self.monitor.state.config.response.exit_codes
         if exit_code(decision, codes) != codes.rollback:
             return decision
         fired = self._fired_anywhere()  # every rank: the drills a restart must not rehearse again
         # Every rank: the cause from the signs (no replay here), the device counted, a fence where due.
-        decision, cause, blacklisting = settle_cause(self.ledger, decision, self.monitor.config, self.monitor.rank)
-        if self.monitor.rank != 0:
+        decision, cause, blacklisting = settle_cause(self.ledger, decision, self.monitor.state.config, collectives.rank())
+        if collectives.rank() != 0:
             return decision
         self.ledger.spent_injections = sorted(set(self.ledger.spent_injections) | fired)
         if decision.action == Action.FENCE:
@@ -334,8 +337,8 @@ class ExitAndRestart(Callback):
         # The loop that reads the ledger at start-up switches the features off.
         self.ledger.record_rollback(self.config, samples)
         fields = self._request_fields(blacklisting) if self._request_fields is not None else {}
-        self.ledger.rollback_requested = {"from_step": self.monitor.step, **fields}
-        self.ledger.events.append({"step": self.monitor.step, "exit": codes.rollback, "lr_scale": self.ledger.lr_scale,
+        self.ledger.rollback_requested = {"from_step": self.monitor.state.clock.step, **fields}
+        self.ledger.events.append({"step": self.monitor.state.clock.step, "exit": codes.rollback, "lr_scale": self.ledger.lr_scale,
                                    "blacklisted": len(samples), "cause": cause.klass,
                                    **({"skip_iterations": fields["skip_iterations"]} if "skip_iterations" in fields else {})})
         try:
@@ -349,9 +352,9 @@ class ExitAndRestart(Callback):
     def _fired_anywhere(self) -> set:
         """The drills that fired on any rank (a drill bound to rank 1 fired there only), gathered to
         rank 0 over the guard's bounded group; a peer that does not answer leaves this rank's own."""
-        mine = self.monitor.drills.fired_specs()
+        mine = self.monitor.state.drills.fired_specs()
         try:
-            every = collectives.gather_to_zero(mine, self.monitor.peers)
+            every = collectives.gather_to_zero(mine, self.monitor.state.peers)
         except collectives.PeerLost:
             every = [mine]
         return {spec for specs in every for spec in specs}
@@ -376,7 +379,7 @@ class ExitAndRestart(Callback):
 
     def _save_event(self, what: str) -> None:
         """Rank 0 writes the ledger with an event the job goes on without when it cannot be written."""
-        if self.monitor.rank == 0:
+        if collectives.rank() == 0:
             try:
                 self.ledger.save(self.checkpoint_root)
             except OSError as error:
@@ -386,5 +389,5 @@ class ExitAndRestart(Callback):
         """The restart resumed as the ledger asked: the request is done (rank 0 writes it)."""
         self.ledger.rollback_requested = None
         self.ledger.events.append(event)
-        if self.monitor.rank == 0:
+        if collectives.rank() == 0:
             self.ledger.save(self.checkpoint_root)

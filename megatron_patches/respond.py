@@ -1,6 +1,6 @@
 """The respond stage: the reports of the ranks an incident reached to rank 0, which decides on it
-(:func:`decide`: grades it and assembles the incident, a pure function of the reports, the facts
-of the step and the policy), then the :class:`~megatron_patches.decisions.Decision` back to every rank.
+(:func:`~megatron_patches.decide.decide`: grades it and assembles the incident, a pure function of
+the reports, the facts of the step and the policy), then the :class:`~megatron_patches.decisions.Decision` back to every rank.
 
 Both collectives are bounded (``response.peer_timeout_s``): a peer lost between them raises
 :class:`~megatron_patches.collectives.PeerLost` on the ranks still alive, and
@@ -13,100 +13,19 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, NoReturn, Optional
 
 from . import naming
-from .cause import Device, Signs, growth_of
 from .check import Verdict
 from .collectives import BoundedGroup, broadcast_from_zero, gather_reports
 from .config import Config
+from .decide import RecordFields, StepFacts, decide
 from .decisions import EXIT_PEER_LOST, Action, Decision, GradePolicy, Severity
 from .detectors import Detector
-from .findings import RankReport, RecordFields, assemble, local_findings, origins_of, replica_of
+from .findings import RankReport, local_findings
 from .incidents import Incident, finite_or_none, first_of
 
 log = logging.getLogger("megatron_patches")
-
-
-@dataclass(frozen=True)
-class StepFacts:
-    """What rank 0 knows of an incident's step beside the ranks' reports."""
-
-    checked: int
-    """Gradients checked on every rank together (summed in the gather)."""
-    world: Mapping[str, int]
-    """The job's layout (:func:`~megatron_patches.naming.world_layout`)."""
-    action: Action = Action.SKIP_STEP
-    """What the hook does with a flagged step: skip it, or zero the gradients of a direct
-    ``clip_grad_norm`` call (then nothing is graded: a warning)."""
-    rollbacks: int = 0
-    """Rollbacks the run has had so far (the retry budget)."""
-    can_replay: bool = False
-    """Whether the executor replays a step itself, so the decision may ask for it."""
-    batch_info: Mapping[str, Any] = field(default_factory=dict)
-    """Fields of the step's batch, the same on every rank (Megatron-LM's iteration, ...)."""
-    extra: Mapping[str, Any] = field(default_factory=dict)
-    """The fields the detectors add to the record (their view on rank 0)."""
-    cause: Optional[Any] = None
-    """What made the step an incident beside its gradients (a
-    :class:`~megatron_patches.seams.loss_scale.ScalerEvent`), the same on every rank."""
-    clean_before: int = 1
-    """Checked steps of the job that came out clean before this one (0: the fault is there from the start)."""
-    norm_trail: tuple = ()
-    """The gradient norms of the last clean checked steps, oldest first (:func:`~megatron_patches.cause.growth_of`)."""
-
-
-def signs_of(step: int, reports: list[RankReport], origins: list[int], replicas: int, facts: StepFacts,
-             kinds: tuple, total_norm: Optional[float], check_interval: int) -> Signs:
-    """What the reports and the facts of the step say of the incident's cause (:class:`~megatron_patches.cause.Signs`)."""
-    def ranks_with(prefix: str) -> tuple:
-        return tuple(sorted({r.rank for r in reports for f in r.held if any(x.startswith(prefix) for x in f.reasons)}))
-    held = [f for r in reports for f in r.held if any(x.startswith("held:") for x in f.reasons)]
-    outputs = ranks_with("activation:")
-    growth = growth_of(facts.norm_trail, total_norm)
-    if outputs:
-        growth += (f"a module's output stood far above its history on rank(s) {list(outputs)}",)
-    replica = replica_of(reports)
-    suspects_at = origins or sorted({r.rank for r in reports if r.findings})
-    devices: tuple = ()
-    if suspects_at and len({replica.get(r, r) for r in suspects_at}) == 1:
-        seen = {r.rank: next(iter(r.held + r.pre_reduction + r.jumped + r.findings), None) for r in reports}
-        devices = tuple(Device(rank, seen[rank].host, seen[rank].device) for rank in suspects_at
-                        if seen.get(rank) is not None)
-    return Signs(step=step, first_checked=facts.clean_before == 0,
-                 held_ranks=ranks_with("held:"), held_extreme_only=bool(held) and not any(f.nan or f.inf for f in held),
-                 altered_ranks=ranks_with("altered:"), fed_ranks=ranks_with("input:"), origin_ranks=tuple(origins),
-                 origin_replicas=replicas, replicas=max(1, facts.world.get("dp", 1) * facts.world.get("cp", 1)),
-                 replicas_disagree="consistency" in kinds, checked_every_step=check_interval == 1,
-                 growth=growth, suspects=devices)
-
-
-def no_megatron_fields(everyone: list[RankReport], extra: dict) -> tuple[dict, str]:
-    """``record_fields`` where nothing of Megatron's loss check or rerun is known."""
-    return {}, ""
-
-
-def decide(verdict: Verdict, reports: list[RankReport], policy: GradePolicy, facts: StepFacts,
-           record_fields: RecordFields = no_megatron_fields) -> tuple[Decision, Incident]:
-    """Rank 0's decision on an incident and the incident itself, from the ``reports`` of the ranks
-    that reported (in rank order) and ``facts``. No collective, no file, no clock but the
-    record's time: what it reads is its arguments; what it changes is ``policy``'s count of recent
-    incidents (the grading history is the policy's). ``record_fields``: ``Seams.record_fields``."""
-    ctx = verdict.ctx
-    origins, replicas = origins_of(reports)
-    if facts.action == Action.SKIP_STEP:
-        decision = policy.grade(ctx.step, replicas, facts.rollbacks, facts.can_replay, origins=tuple(origins))
-    else:  # direct clip_grad_norm callers: nothing to skip, gradients are zeroed
-        decision = Decision(Severity.WARNING, facts.action, "checked in clip_grad_norm", ctx.step,
-                            origins=tuple(origins))
-    signs = signs_of(ctx.step, reports, origins, replicas, facts, tuple(verdict.kinds), ctx.total_norm,
-                     policy.check_interval)
-    decision = replace(decision, signs=signs)
-    incident = assemble(ctx, reports, decision, kinds=verdict.kinds, extra=dict(facts.extra),
-                        batch_info=facts.batch_info, record_fields=record_fields, checked=facts.checked,
-                        world=facts.world, cause=facts.cause)
-    return decision, incident
 
 
 class Responder:

@@ -120,8 +120,6 @@ class RunState:
     # --- what the checks left ----------------------------------------------------------------------
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     last_total_norm: Optional[float] = None
-    checked_norm: Optional[Any] = None
-    """The last check's total norm (a device tensor), until Megatron's get_grad_norm takes it (served_norm)."""
     norm_trail: deque = field(default_factory=lambda: deque(maxlen=cause.TRAIL))
     """The total gradient norms of the last clean checked steps since the last rollback (a growth
     before a fault is a sign of numerics: :func:`~megatron_patches.cause.growth_of`)."""

@@ -1,6 +1,6 @@
 """The slow path of a flagged step, on every rank: this rank's :class:`~megatron_patches.findings.RankReport`,
 the agreement on a decision (:meth:`~megatron_patches.respond.Responder.agree`: a bounded gather,
-rank 0's pure :func:`~megatron_patches.respond.decide`, a bounded broadcast), the scene, the
+rank 0's pure :func:`~megatron_patches.decide.decide`, a bounded broadcast), the scene, the
 hand-off to the publisher and the callbacks' events. Every function takes the run's
 :class:`~megatron_patches.run_state.RunState`; ending the process is left to the monitor.
 """
@@ -37,7 +37,7 @@ def handle_incident(state: RunState, verdict: Verdict, action: Action, before: P
     try:
         decision, incident = state.responder.agree(
             verdict, report, action=action, batch_info=state.batch.info, rollbacks=state.rollbacks,
-            can_replay=getattr(state.executor, "replays", False), cause=cause,
+            can_replay=state.executor is not None and state.executor.replays, cause=cause,
             clean_before=max(0, counters["checked_steps"] - 1 - counters["incidents"]),
             norm_trail=tuple(state.norm_trail))
     except PeerLost as error:
@@ -55,7 +55,7 @@ def handle_incident(state: RunState, verdict: Verdict, action: Action, before: P
     state.last_incident = incident
     # Held for the executor's outcome where one follows: a replay's verdict, or an in-process
     # rollback's target (or the stop a recovery step escalated it to).
-    in_process = decision.ends_run and bool(getattr(state.executor, "in_process", False))
+    in_process = decision.ends_run and state.executor is not None and state.executor.in_process
     wait = decision.replay or in_process or any(tell(state, "wants_replay", decision))
     state.publisher.hand_off(incident, captured, wait_for_outcome=wait, rank=rank)
     tell(state, "on_decision", decision, incident)
@@ -92,7 +92,7 @@ def _completed(state: RunState, incident: Optional[Incident], decision: Decision
     exit-and-restart rollback, the ledger its outcome goes to."""
     if incident is not None and captured is not None:
         incident = dataclasses.replace(incident, scene=os.path.dirname(captured[0]))
-    ledger = getattr(state.executor, "ledger_path", None)
+    ledger = state.executor.ledger_path if state.executor is not None else None
     if incident is not None and ledger is not None and decision.action == Action.ROLLBACK:
         incident = dataclasses.replace(incident, ledger=ledger)
     return incident

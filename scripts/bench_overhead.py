@@ -117,7 +117,7 @@ class SizeBench:
         self.variants = Variants(os.path.join(workdir, size, "reports"), self.timers["guard"])
         # Built unguarded: each variant's run names the parameters as get_megatron_optimizer's wrapper would.
         for monitor in self.variants.monitors.values():
-            monitor.model_chunks.remember(self.trainer.optimizer, [self.trainer.model])
+            monitor.state.model_chunks.remember(self.trainer.optimizer, [self.trainer.model])
         self.steps_done = 0
         self.ms = {part: {v: [] for v in VARIANTS} for part in PARTS}
         self.yard_ms: list[float] = []

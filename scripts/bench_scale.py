@@ -63,7 +63,7 @@ def _rank_main(world: int, port: int, case: str, report_dir: str, params: int, r
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(params)])
     optimizer = FP32Optimizer(torch.optim.SGD(model.parameters(), lr=0.0), OptimizerConfig(lr=0.0), lambda opt: None)
     monitor = build_monitor(Config.from_dict({"report_dir": report_dir, "grad_history": False, "log_level": "error"}))
-    monitor.model_chunks.remember(optimizer, [model])
+    monitor.state.model_chunks.remember(optimizer, [model])
     times = {}
     for step in range(1, FAULT_STEP + 1):
         for index, param in enumerate(model.parameters()):

@@ -114,5 +114,5 @@ class Variants:
             # that the step pays what a step of a real run pays: the comparison at the check and
             # the fingerprints after the update.
             monitor = self.monitors[variant]
-            for detector in monitor.detectors if optimizer is not None else ():
-                detector.after_update(optimizer, monitor.stage.entries_for(optimizer), True)
+            for detector in monitor.state.detectors if optimizer is not None else ():
+                detector.after_update(optimizer, monitor.state.stage.entries_for(optimizer), True)

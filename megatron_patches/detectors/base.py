@@ -124,7 +124,7 @@ class Detector:
     def held(self, ctx: CheckContext, ranks: dict) -> list:
         """Slow path: this rank's parameters whose held weight or optimizer state the detector found
         corrupted (``ParamFinding``s; ``ranks``: this rank's). The ranks holding such a corruption
-        are where the fault entered (:func:`megatron_patches.findings.origins_of`)."""
+        are where the fault entered (:func:`megatron_patches.decide.origins_of`)."""
         return []
 
     def state_dict(self) -> dict:

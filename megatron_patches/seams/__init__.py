@@ -42,7 +42,6 @@ class MegatronSeams:
     named_grads = staticmethod(origin.named_grads)
     unchecked = staticmethod(wrappers.unchecked)
     undo_prepare_on_skip = staticmethod(mindspeed.undo_prepare_on_skip)
-    remember_norm = staticmethod(served_norm.remember)
     record_fields = staticmethod(rerun_machine.record_fields)
     rng_state = staticmethod(rng.rng_state)
     parallel_state = staticmethod(parallel.parallel_state)
@@ -51,6 +50,11 @@ class MegatronSeams:
     def __init__(self) -> None:
         self.kernel_calls = megatron_norm.KernelCalls()
         """Megatron's norm-kernel calls made at the check, until its own call takes them."""
+        self.held_norm = served_norm.HeldNorm()
+        """The check's total norm, until Megatron's ``get_grad_norm`` takes it (``serve_norm``)."""
+
+    def remember_norm(self, optimizer: Any, step: int, total_norm: float, entries: list, grads: list) -> None:
+        self.held_norm.remember(optimizer, step, total_norm, entries, grads)
 
     def megatron_norms(self, optimizer: Any) -> list:
         return self.kernel_calls.prepare(optimizer)

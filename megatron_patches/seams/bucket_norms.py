@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .. import naming
+from .. import collectives, naming
 from ..incidents import ParamFinding
 from .model_chunks import ModelChunks
 from .optimizer_params import model_grad
@@ -60,8 +60,8 @@ def owns(monitor: Guard, check_for_nan_or_inf: bool) -> bool:
 
 def checks_nonfinite(monitor: Guard) -> bool:
     """Whether the guard checks the step whose gradients are being made for NaN/Inf."""
-    config = monitor.config
-    return config.detectors.nonfinite.enabled and monitor.upcoming_step() % config.check_interval == 0
+    config = monitor.state.config
+    return config.detectors.nonfinite.enabled and monitor.state.clock.upcoming() % config.check_interval == 0
 
 
 def check_grads(monitor: Guard, group: Any, call: Callable[[], Any]) -> Any:
@@ -69,37 +69,37 @@ def check_grads(monitor: Guard, group: Any, call: Callable[[], Any]) -> Any:
     Megatron's bucket norms stand in for the origin pass's norms, but a crest factor per gradient
     needs a pass of our own: with the peak detector on it runs here, after the drills."""
     _inject(monitor, group)
-    if monitor.origin.peak_ratio is not None and monitor.origin.watching():
-        monitor.origin.before_group(group, monitor.model_chunks.group_params(group), monitor.upcoming_step())
+    if monitor.state.origin.peak_ratio is not None and monitor.state.origin.watching():
+        monitor.state.origin.before_group(group, monitor.state.model_chunks.group_params(group), monitor.state.clock.upcoming())
     scope = _Scope()
     token = _scope.set(scope)
     try:
         result = call()
     finally:
         _scope.reset(token)
-    monitor.note_bucket_check()
-    if not scope.norms and scope.finite and monitor.origin.peak_ratio is None and monitor.origin.watching():
+    monitor.state.origin.note_bucket_check()
+    if not scope.norms and scope.finite and monitor.state.origin.peak_ratio is None and monitor.state.origin.watching():
         # No pass of the guard's own over this group's gradients on such a step: its bucket norms,
         # against their running means, are what can name this rank as a finite fault's origin.
-        monitor.origin.note_bucket_norms(group, scope.finite, monitor.upcoming_step())
+        monitor.state.origin.note_bucket_norms(group, scope.finite, monitor.state.clock.upcoming())
     if scope.norms:
         if rerunning():  # Megatron's rerun of the step in place: noted in the first run already
-            log.info("step %d: non-finite local gradient again in Megatron's rerun of the step", monitor.upcoming_step())
+            log.info("step %d: non-finite local gradient again in Megatron's rerun of the step", monitor.state.clock.upcoming())
             return result
-        findings = nonfinite_params(monitor.model_chunks, group) or overflowed_params(monitor.model_chunks, group)
+        findings = nonfinite_params(monitor.state.model_chunks, group) or overflowed_params(monitor.state.model_chunks, group)
         if not findings:  # an fp16 bucket's norm overflowed; every gradient in it is finite
             log.info("step %d: Megatron's bucket norm is %s but every local gradient in the bucket group is finite "
-                     "(the norm overflowed in the buffer's dtype); not an origin", monitor.upcoming_step(),
+                     "(the norm overflowed in the buffer's dtype); not an origin", monitor.state.clock.upcoming(),
                      ", ".join(f"{n:g}" for n in scope.norms))
             return result
-        monitor.note_pre_reduction(findings)
+        monitor.state.origin.note(findings)
         ranks = naming.rank_info(parallel_state())
         names = ", ".join(_counted(f) for f in findings) or "none found"
         what = "non-finite" if any(f.nan or f.inf for f in findings) else "overflowing (finite, squares past float32)"
         log.warning("step %d: before the data-parallel reduction: " + what + " local gradient on rank %d "
                     "(tp %d, pp %d, dp %d), bucket norm(s) %s: %s; not fatal to Megatron's RerunStateMachine, "
                     "the guard's check before clipping decides",
-                    monitor.upcoming_step(), ranks["global"], ranks["tp"], ranks["pp"], ranks["dp"],
+                    monitor.state.clock.upcoming(), ranks["global"], ranks["tp"], ranks["pp"], ranks["dp"],
                     ", ".join(f"{n:g}" for n in scope.norms), names)
     return result
 
@@ -180,16 +180,16 @@ def _inject(monitor: Guard, group: Any) -> None:
     """``phase=local`` drills due now, into this group's gradients before Megatron takes its norm.
     Under ``--overlap-grad-reduce`` this runs during backward, the last moment before the
     collective; without it ``finalize_model_grads`` came first and has fired them already."""
-    if monitor.drills:
-        fire_local_drills(monitor, monitor.model_chunks.group_params(group))
+    if monitor.state.drills:
+        fire_local_drills(monitor, monitor.state.model_chunks.group_params(group))
 
 
 def fire_local_drills(monitor: Guard, params: list) -> None:
     """Fire the ``phase=local`` drills due now whose targets are among ``params`` (one bucket group)."""
-    infos = names_of(monitor.model_chunks, params)
+    infos = names_of(monitor.state.model_chunks, params)
     grads = [(infos[id(p)].name, infos[id(p)].order, g) for p in params
              if (g := model_grad(p)) is not None and id(p) in infos]
-    fired = monitor.drills.apply(monitor.upcoming_step(), "local", monitor.rank, grads, part=True)
+    fired = monitor.state.drills.apply(monitor.state.clock.upcoming(), "local", collectives.rank(), grads, part=True)
     monitor.count("injected", len(fired))
 
 

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from . import bucket_norms
-from ..collectives import fully_sharded
+from ..collectives import fully_sharded, rank
 from .marks import already_hooked
 
 def start_grad_sync(monitor: Any, group: Any, call: Callable[[], Any]) -> Any:
@@ -43,17 +43,17 @@ def start_grad_sync(monitor: Any, group: Any, call: Callable[[], Any]) -> Any:
 
 
 def _before_collective(monitor: Any, group: Any) -> None:
-    step = monitor.upcoming_step()
-    drills = bool(monitor.drills) and bool(monitor.drills.due(step, "local", monitor.rank))
-    origin = step % monitor.config.check_interval == 0 and monitor.origin.watching()
+    step = monitor.state.clock.upcoming()
+    drills = bool(monitor.state.drills) and bool(monitor.state.drills.due(step, "local", rank()))
+    origin = step % monitor.state.config.check_interval == 0 and monitor.state.origin.watching()
     if not (drills or origin):  # one replica, a step not checked: nothing is read
         return
-    params = monitor.model_chunks.group_params(group)
+    params = monitor.state.model_chunks.group_params(group)
     _wait_for_replayed_grads(params)
     if drills:
         bucket_norms.fire_local_drills(monitor, params)
     if origin:
-        monitor.origin.before_group(group, params, step)
+        monitor.state.origin.before_group(group, params, step)
 
 
 def _wait_for_replayed_grads(params: list) -> None:

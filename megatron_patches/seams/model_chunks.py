@@ -2,7 +2,7 @@
 
 ``get_megatron_optimizer`` sees both the model chunks and the optimizer; its wrapper
 (:func:`megatron_patches.seams.wrappers.register_model`) records them in the run's :class:`ModelChunks`
-(``monitor.model_chunks``), and the check, the seams and the recovery executor look them up
+(``monitor.state.model_chunks``), and the check, the seams and the recovery executor look them up
 there. Keyed weakly: an optimizer or bucket group that goes away takes its entry.
 """
 

@@ -83,7 +83,7 @@ LOCAL_JUMP = 16.0
 """How far above its running mean, on its own rank before the reduction, a finite gradient's norm
 must stand to make that rank the origin of a step flagged for magnitude (the history detector's
 default factor). Used only when one data-parallel replica alone shows such a jump
-(:func:`~megatron_patches.findings.origins_of`): a loss spike moves every replica's norms alike."""
+(:func:`~megatron_patches.decide.origins_of`): a loss spike moves every replica's norms alike."""
 
 LOCAL_MEAN_DECAY = 0.9
 """Weight of the past in each own gradient's running mean of norms (kept on the device)."""

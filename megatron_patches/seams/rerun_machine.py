@@ -62,7 +62,7 @@ class _Rejected:
 
 
 class RerunWatch:
-    """One run's view of Megatron's reruns in place (held by its monitor as ``monitor.rerun``):
+    """One run's view of Megatron's reruns in place (held by its monitor as ``monitor.state.rerun``):
     what this rank rejected, and its trace of the rerun, until the incident takes them."""
 
     def __init__(self) -> None:
@@ -104,13 +104,13 @@ def validate(monitor: Guard, machine: Any, arguments: dict, call: Callable[..., 
         return call()
     check = BUCKET_NORM if bucket_norms.inside_guarded_check() else LOSS
     mode = str(getattr(machine.get_mode(), "value", machine.get_mode()))
-    step, result, message = monitor.upcoming_step(), arguments["result"], arguments["message"]
+    step, result, message = monitor.state.clock.upcoming(), arguments["result"], arguments["message"]
     if check == BUCKET_NORM:
         bucket_norms.takes_over(result, rejection)  # names the bucket's parameters, raises the origin flag
     if mode == "disabled":
         # Megatron would only test the result and raise on this rank: test it here, once.
         if _rejects(rejection, result, check):
-            monitor.rerun.note(step, check, message, mode)
+            monitor.state.rerun.note(step, check, message, mode)
         return None
     if mode != "validate_results":
         return call()
@@ -118,7 +118,7 @@ def validate(monitor: Guard, machine: Any, arguments: dict, call: Callable[..., 
     def rejected(value: Any) -> bool:  # Megatron asks only on the initial run, before any rejection
         verdict = _rejects(rejection, value, check)
         if verdict:
-            monitor.rerun.note(step, check, message, mode)
+            monitor.state.rerun.note(step, check, message, mode)
         return verdict
 
     compare = arguments.get("comparison_func") or _default_comparison()
@@ -126,7 +126,7 @@ def validate(monitor: Guard, machine: Any, arguments: dict, call: Callable[..., 
 
     def compared(initial: Any, rerun: Any) -> float:  # the rerun in place reached the rejected call
         difference = compare(initial, rerun)
-        rejected = monitor.rerun.rejected
+        rejected = monitor.state.rerun.rejected
         if rejected is not None and rejected.step == step:
             rejected.verdict = TRANSIENT if difference > tolerance else REPRODUCIBLE
             log.warning("step %d: Megatron's rerun of the step in place: the %s is %s (%s); the job goes "
@@ -157,7 +157,7 @@ def after_should_run(monitor: Guard, machine: Any, again: bool) -> None:
     """After each ``should_run_forward_backward`` (every rank calls it, and the decision to rerun
     is already agreed there): a rerun in place of a checked step starts -> watch the forward pass;
     it ended -> keep this rank's first non-finite module for the incident."""
-    watch = monitor.rerun
+    watch = monitor.state.rerun
     in_place = again and _state_name(machine) == "RERUNNING_IN_PLACE"
     if watch.trace is not None and not in_place:
         step, trace = watch.trace
@@ -166,9 +166,9 @@ def after_should_run(monitor: Guard, machine: Any, again: bool) -> None:
         first = {"forward": trace.first(), "backward": trace.first_backward()}  # host reads, once per rerun
         watch.first = (step, first) if any(first.values()) else None
     elif watch.trace is None and in_place and bucket_norms.checks_nonfinite(monitor):
-        monitor.routing.restart()  # the rerun routes the step's tokens again
-        trace = forward_origin.ForwardTrace(monitor.model_chunks.modules(), parallel_state())
-        watch.trace = (monitor.upcoming_step(), trace.__enter__())
+        monitor.state.routing.restart()  # the rerun routes the step's tokens again
+        trace = forward_origin.ForwardTrace(monitor.state.model_chunks.modules(), parallel_state())
+        watch.trace = (monitor.state.clock.upcoming(), trace.__enter__())
 
 
 def _state_name(machine: Any) -> str:

@@ -62,21 +62,35 @@ class CheckedNorm:
     """Their version counters at the check (bumped by every in-place change)."""
 
 
-def remember(monitor: Guard, optimizer: Any, step: int, total_norm: float, entries: list, grads: list) -> None:
-    """Called by the monitor after each check (not a replay): ``total_norm`` is the world-wide
-    norm of ``grads``, the gradients of ``entries`` that ``optimizer`` is about to clip."""
-    if not grads_in_float32(optimizer):
-        monitor.checked_norm = None  # Megatron's own kernel for bf16 gradients (see the module's conditions)
-        return
-    monitor.checked_norm = CheckedNorm(weakref.ref(optimizer), step, total_norm, entries,
-                                       tuple(weakref.ref(g) for g in grads), tuple(g._version for g in grads))
+class HeldNorm:
+    """One run's checked norm, held from the check until Megatron's ``get_grad_norm`` takes it.
+    The seams make one per run (:class:`megatron_patches.seams.MegatronSeams`, ``held_norm``) and
+    own it: the core hands the norm over through ``Seams.remember_norm``."""
+
+    def __init__(self) -> None:
+        self.checked: Optional[CheckedNorm] = None
+        """The last check's norm, None once taken (or where Megatron computes its own)."""
+
+    def remember(self, optimizer: Any, step: int, total_norm: float, entries: list, grads: list) -> None:
+        """After each check (not a replay): ``total_norm`` is the world-wide norm of ``grads``, the
+        gradients of ``entries`` that ``optimizer`` is about to clip."""
+        if not grads_in_float32(optimizer):
+            self.checked = None  # Megatron's own kernel for bf16 gradients (see the module's conditions)
+            return
+        self.checked = CheckedNorm(weakref.ref(optimizer), step, total_norm, entries,
+                                   tuple(weakref.ref(g) for g in grads), tuple(g._version for g in grads))
+
+    def pop(self) -> Optional[CheckedNorm]:
+        """The held norm, once."""
+        checked, self.checked = self.checked, None
+        return checked
 
 
 def take(monitor: Guard, optimizer: Any) -> Optional[Any]:
     """The checked total norm for ``optimizer.get_grad_norm()``, in the type Megatron returns
     there; None when Megatron must compute it (see the module's conditions). One call per check."""
-    checked, monitor.checked_norm = monitor.checked_norm, None
-    if checked is None or checked.optimizer() is not optimizer or checked.step != monitor.step:
+    checked = monitor.state.seams.held_norm.pop()
+    if checked is None or checked.optimizer() is not optimizer or checked.step != monitor.state.clock.step:
         return None
     now = [g for _, g in current_grads(optimizer, checked.entries) if g is not None and g.numel() > 0]
     if len(now) != len(checked.grads) or any(

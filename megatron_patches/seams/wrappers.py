@@ -16,10 +16,11 @@ from typing import Any, Callable, Optional
 
 from . import bucket_norms, grad_sync, rerun_machine, served_norm, start_line
 from .. import forward_origin
+from ..monitor import GradMonitor
 from .mindspeed import undo_prepare_on_skip
 from .parallel import parallel_state
 
-_monitor: Optional[Any] = None
+_monitor: Optional[GradMonitor] = None
 """The one pointer to the run: the active monitor holds everything else the run keeps (its
 drills, model chunks, Megatron's rerun verdicts, the loop integration's session)."""
 _inside_check = contextvars.ContextVar("megatron_patches_inside_check", default=False)
@@ -32,13 +33,13 @@ def _signature(function: Callable) -> inspect.Signature:
     return inspect.signature(function)
 
 
-def set_monitor(monitor: Optional[Any]) -> None:
+def set_monitor(monitor: Optional[GradMonitor]) -> None:
     """Make ``monitor`` the one the hooks call (None: pass through)."""
     global _monitor
     _monitor = monitor
 
 
-def get_monitor() -> Optional[Any]:
+def get_monitor() -> Optional[GradMonitor]:
     return _monitor
 
 
@@ -50,11 +51,11 @@ def register_model(optimizer: Any, model_chunks: list) -> None:
     if _monitor is None:
         return
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    _monitor.model_chunks.remember(optimizer, chunks)
-    if _monitor.drills.forward_specs():
+    _monitor.state.model_chunks.remember(optimizer, chunks)
+    if _monitor.state.drills.forward_specs():
         forward_origin.attach_drills(_monitor, chunks, parallel_state())
-    _monitor.routing.attach(chunks, parallel_state())  # after the drills: a drilled router is seen as broken (MoE routers, if any)
-    for detector in _monitor.detectors:  # after the drills too: the token range check sees drilled ids
+    _monitor.state.routing.attach(chunks, parallel_state())  # after the drills: a drilled router is seen as broken (MoE routers, if any)
+    for detector in _monitor.state.detectors:  # after the drills too: the token range check sees drilled ids
         detector.attach(chunks, parallel_state())
 
 
@@ -115,7 +116,7 @@ def clip_grad_norm_wrapper(wrapped, instance, args, kwargs):
 def get_grad_norm_wrapper(wrapped, instance, args, kwargs):
     """wrapt wrapper for ``get_grad_norm``: right after the guard checked these gradients, the
     total norm of its own pass; Megatron's computation otherwise (:mod:`megatron_patches.seams.served_norm`)."""
-    if getattr(_monitor, "checked_norm", None) is not None:
+    if _monitor is not None:
         norm = served_norm.take(_monitor, instance)
         if norm is not None:
             return norm
@@ -126,7 +127,7 @@ def multi_tensor_applier_wrapper(wrapped, instance, args, kwargs):
     """wrapt wrapper for ``clip_grads.multi_tensor_applier``: the L2 kernel call of Megatron's
     clipping norm gets the result of the same call the guard's check made over the same, unchanged
     gradients (:mod:`megatron_patches.seams.megatron_norm`); every other call runs as stock."""
-    calls = getattr(getattr(getattr(_monitor, "state", None), "seams", None), "kernel_calls", None)
+    calls = getattr(_monitor.state.seams, "kernel_calls", None) if _monitor is not None else None
     if calls is not None and len(args) >= 3 and not kwargs:
         from megatron.core.optimizer import clip_grads
 

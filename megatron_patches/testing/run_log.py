@@ -36,7 +36,7 @@ class RunLog:
         if self.rank != 0:
             return
         norm = out["grad_norm"]
-        incidents = self.monitor.counters["incidents"] if self.monitor else 0
+        incidents = self.monitor.state.counters["incidents"] if self.monitor else 0
         print(f"step {step:>4}/{self.args.steps} | loss {out['loss']:.4f} | grad-norm "
               f"{'-' if norm is None else f'{norm:.3g}'} | lr {lr:.2e} | "
               f"skipped {self.skipped} | incidents {incidents} | {seconds * 1000:.0f} ms", flush=True)
@@ -50,7 +50,7 @@ class RunLog:
     def _compare_norms(self, out: dict) -> None:
         """Keep the largest relative gap between the guard's total gradient norm and the one
         Megatron's optimizer reported for the same step (steps both of them measured)."""
-        ours, theirs = (self.monitor.last_total_norm if self.monitor else None), out["grad_norm"]
+        ours, theirs = (self.monitor.state.last_total_norm if self.monitor else None), out["grad_norm"]
         if ours is None or theirs is None or out["skipped"]:
             return
         gap = abs(ours - theirs) / max(abs(theirs), 1e-30)
@@ -64,11 +64,11 @@ class RunLog:
         tb.add_scalar("train/lr", lr, step)
         if self.monitor is None:
             return
-        for name, value in self.monitor.counters.items():
+        for name, value in self.monitor.state.counters.items():
             tb.add_scalar(f"megatron_patches/{name}", value, step)
-        if self.monitor.last_total_norm is not None:
-            tb.add_scalar("megatron_patches/total_grad_norm", self.monitor.last_total_norm, step)
-        for layer, norm in self.monitor.last_layer_norms.items():
+        if self.monitor.state.last_total_norm is not None:
+            tb.add_scalar("megatron_patches/total_grad_norm", self.monitor.state.last_total_norm, step)
+        for layer, norm in self.monitor.state.last_layer_norms.items():
             tb.add_scalar(f"megatron_patches/layer_grad_norm/{layer}", norm, step)
 
     def result(self, params_finite: bool, ledger: Any, lr_scale: float, **layout: Any) -> dict[str, Any]:
@@ -89,8 +89,8 @@ class RunLog:
             "rollbacks": ledger.rollbacks if ledger else 0,
             "blacklisted_samples": list(ledger.blacklist) if ledger else [],
             "lr_scale": lr_scale,
-            "incidents": self.monitor.counters["incidents"] if self.monitor else 0,
-            "monitor": dict(self.monitor.counters) if self.monitor else None,
+            "incidents": self.monitor.state.counters["incidents"] if self.monitor else 0,
+            "monitor": dict(self.monitor.state.counters) if self.monitor else None,
             **layout,
             "seconds": round(time.time() - self.started, 3),
             "lost_writes": {},
@@ -100,7 +100,7 @@ class RunLog:
         """Close the guard (its lost writes go into ``result``) and TensorBoard; rank 0 writes
         ``<out>/result.json`` and prints the closing line."""
         if self.monitor is not None:
-            scenes = self.monitor.publisher.scenes  # close() lets go of it; its failures are counted while closing
+            scenes = self.monitor.state.publisher.scenes  # close() lets go of it; its failures are counted while closing
             self.monitor.close()
             result["lost_writes"] = lost_writes(self.monitor, scenes)
         if self.tensorboard is not None:
@@ -131,9 +131,9 @@ def lost_writes(monitor: Any, scenes: Any) -> dict[str, int]:
     """Records the guard could not write on this rank (its report files and fault scenes),
     by file; each loss was logged as a warning and training went on."""
     lost = {}
-    for writer in monitor.publisher.writers():
+    for writer in monitor.state.publisher.writers():
         if writer.lost_writes:
             lost[writer.path] = writer.lost_writes
     if scenes is not None and scenes.failed:
-        lost[os.path.join(monitor.report_dir, "scenes")] = scenes.failed
+        lost[os.path.join(monitor.state.report_dir, "scenes")] = scenes.failed
     return lost

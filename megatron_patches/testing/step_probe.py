@@ -94,7 +94,7 @@ def install(directory: str) -> None:
                 "weights": after[0], "state": after[1]}
         monitor = wrappers.get_monitor()
         if monitor is not None:
-            line["guard"] = {name: monitor.counters[name] for name in GUARD_COUNTERS}
+            line["guard"] = {name: monitor.state.counters[name] for name in GUARD_COUNTERS}
         rank = torch.distributed.get_rank()
         with open(Path(directory) / f"rank{rank}.jsonl", "a") as out:
             out.write(json.dumps(line) + "\n")

@@ -68,7 +68,7 @@ class TinyTrainer:
         if self.monitor is not None:  # its checkpoints are targets once the checks after them came out clean
             from ..checkpoint import Certification
 
-            self.certification = Certification(self.monitor.config.recovery.certify_steps, self.rank)
+            self.certification = Certification(self.monitor.state.config.recovery.certify_steps, self.rank)
             self.monitor.add_callback(self.certification)
         if self.monitor is not None and args.recovery == "in-process":
             from ..recovery import InProcessRecovery
@@ -97,7 +97,7 @@ class TinyTrainer:
         labels = batch["labels"].to(self.device)
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         output = model(tokens, positions, None, labels=labels)
-        poisoned = self.monitor.drills.poisoned(batch["samples"]) if self.monitor is not None else ()
+        poisoned = self.monitor.state.drills.poisoned(batch["samples"]) if self.monitor is not None else ()
         rows = [row for row, index in enumerate(batch["samples"]) if index in poisoned]
 
         def loss_func(per_token_loss):
@@ -119,7 +119,7 @@ class TinyTrainer:
         from ..seams.rng import rng_state
 
         self._step_inputs = (step, microbatches, rng_state())
-        self._checked_before_step = self.monitor.counters["checked_steps"] if self.monitor else 0
+        self._checked_before_step = self.monitor.state.counters["checked_steps"] if self.monitor else 0
         out = self._forward_backward(step, microbatches)
         if step in self.args.branch_skip:  # a branch's twin of a run whose guard skipped this step
             success, grad_norm = False, None
@@ -203,7 +203,7 @@ class TinyTrainer:
 
         extra = {"sampler": self.sampler.state_dict(),
                  "monitor": self.monitor.state_dict() if self.monitor is not None else None}
-        keep = (self.monitor.config.recovery.keep_checkpoints if self.monitor is not None else None) or 3
+        keep = (self.monitor.state.config.recovery.keep_checkpoints if self.monitor is not None else None) or 3
         path = save_checkpoint(self.checkpoint_root, step, self.model, self.optimizer, self.scheduler, extra,
                                healthy=healthy, keep=keep, awaiting=self.certification is not None)
         if healthy and self.certification is not None:
@@ -245,7 +245,7 @@ class TinyTrainer:
         while step <= a.steps:
             t0 = time.perf_counter()
             out = self.train_step(step)
-            checked = self.monitor is not None and self.monitor.counters["checked_steps"] != self._checked_before_step
+            checked = self.monitor is not None and self.monitor.state.counters["checked_steps"] != self._checked_before_step
             # check_interval > 1: on an unchecked step last_total_norm belongs to an earlier step
             log.step(step, out, self.optimizer.param_groups[0]["lr"], checked, time.perf_counter() - t0)
             if probe is not None:
@@ -253,11 +253,11 @@ class TinyTrainer:
             resume = self.recovery.after_step(step, out["samples"]) if self.recovery else None
             if resume is not None:
                 log.rewind(resume)
-                incidents_at_last_save = self.monitor.counters["incidents"]
+                incidents_at_last_save = self.monitor.state.counters["incidents"]
                 step = resume
                 continue
             if a.save_interval and step >= a.save_from and (step - a.save_from) % a.save_interval == 0:
-                incidents = self.monitor.counters["incidents"] if self.monitor else 0
+                incidents = self.monitor.state.counters["incidents"] if self.monitor else 0
                 self.save(step, healthy=incidents == incidents_at_last_save and self._params_finite())
                 incidents_at_last_save = incidents
             if step == a.branch_snapshot_at:

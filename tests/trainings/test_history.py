@@ -136,7 +136,7 @@ def test_baseline_survives_state_dict_and_the_first_step_after_restore_is_checke
     assert _step(monitor, optimizer, model, 31, spike=spiked) is True
     record = (tmp_path / "after" / INCIDENTS_FILE).read_text().splitlines()
     assert len(record) == 1 and '"kind":"zscore"' in record[0] and f'"name":"{spiked}"' in record[0]
-    history = next(d for d in monitor.detectors if d.name == "history").state_dict()
+    history = next(d for d in monitor.state.detectors if d.name == "history").state_dict()
     assert history["total"]["count"] == [30.0]  # the skipped step did not enter the baseline
 
     # Without the state the same step is in warm-up: nothing to compare with, nothing flagged.
@@ -152,7 +152,7 @@ def test_detector_state_round_trip_is_exact(tmp_path, clean_patches, megatron_on
     monitor, optimizer = _guarded_optimizer(tmp_path, model)
     for step in range(1, 26):
         _step(monitor, optimizer, model, step)
-    original = next(d for d in monitor.detectors if d.name == "history")
+    original = next(d for d in monitor.state.detectors if d.name == "history")
     restored = HistoryDetector(HistoryConfig())
     restored.load_state_dict(original.state_dict())
     assert restored.state_dict() == original.state_dict()
@@ -163,7 +163,7 @@ def test_sampling_and_interval_cover_every_tensor_in_turn(tmp_path, clean_patche
     monitor, optimizer = _guarded_optimizer(tmp_path, model, sample_fraction=0.25, interval=2)
     for step in range(1, 81):
         _step(monitor, optimizer, model, step)
-    state = next(d for d in monitor.detectors if d.name == "history").state_dict()
+    state = next(d for d in monitor.state.detectors if d.name == "history").state_dict()
     assert state["total"]["count"] == [40.0]  # every 2nd of 80 checks
     assert set(state["params"]["count"]) == {10.0}  # each tensor on every 4th of those 40
 

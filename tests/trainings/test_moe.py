@@ -20,7 +20,7 @@ import pytest
 
 import torch
 
-from megatron_patches import findings, forward_origin, naming, moe_routing
+from megatron_patches import decide, findings, forward_origin, naming, moe_routing
 from megatron_patches.incident_text import diagnosis, expert_text
 from megatron_patches.incidents import ParamFinding
 
@@ -102,11 +102,11 @@ def test_ranks_of_one_expert_parallel_group_count_as_one_origin():
     one group flagged is one fault carried by the all-to-all; one member of each is two."""
     layout = [(0, 0, 0, 0), (1, 1, 1, 0), (2, 2, 0, 1), (3, 3, 1, 1)]
     one_group = [_part(r, dp, ep, edp, origin=r in (0, 1)) for r, dp, ep, edp in layout]
-    assert findings.origins_of(one_group) == ([0, 1], 1)
+    assert decide.origins_of(one_group) == ([0, 1], 1)
     two_groups = [_part(r, dp, ep, edp, origin=r in (1, 2)) for r, dp, ep, edp in layout]
-    assert findings.origins_of(two_groups) == ([1, 2], 2)
+    assert decide.origins_of(two_groups) == ([1, 2], 2)
     dense = [_part(r, r, 0, r, origin=r in (1, 2)) for r in range(4)]  # no expert parallelism
-    assert findings.origins_of(dense) == ([1, 2], 2)
+    assert decide.origins_of(dense) == ([1, 2], 2)
 
 
 def test_a_finding_on_an_expert_carries_it_in_the_record_and_the_text():
@@ -158,10 +158,10 @@ def test_the_routing_watch_keeps_one_passs_tokens_per_expert_and_router_finitene
 def test_the_routing_record_sums_ranks_and_names_experts_without_tokens_and_broken_routers():
     shares = [(0, {"l0": {"tokens_per_expert": [3, 0, 1, 0], "router_finite": True}}),
               (1, {"l0": {"tokens_per_expert": [1, 0, 2, 2], "router_finite": False}})]
-    assert moe_routing.record_field(shares) == {"layers": {"l0": {
+    assert decide.routing_field(shares) == {"layers": {"l0": {
         "tokens_per_expert": [4, 0, 3, 2], "router_nonfinite_ranks": [1], "zero_token_experts": [1]}}}
-    assert moe_routing.record_field([]) is None
-    text = diagnosis({"moe_routing": moe_routing.record_field(shares), "step": 3})
+    assert decide.routing_field([]) is None
+    text = diagnosis({"moe_routing": decide.routing_field(shares), "step": 3})
     assert "  routing: l0: router probabilities non-finite on rank(s) [1]; l0: no tokens for expert(s) [1]" in text
 
 

@@ -344,12 +344,12 @@ def test_a_silent_peer_is_lost_after_peer_timeout_s(tmp_path):
 _FAIL_ON_RANK_ZERO = """
 import os
 if os.environ.get("RANK") == "0":
-    import megatron_patches.findings as findings
+    import megatron_patches.decide as decide
 
     def _describe(*args, **kwargs):
         raise KeyError("a bug in the guard, planted by the test")
 
-    findings.describe = _describe
+    decide.describe = _describe
 """
 
 

@@ -1,4 +1,4 @@
-"""Rank 0's decision on an incident without ranks: respond.decide over hand-made RankReports
+"""Rank 0's decision on an incident without ranks: decide.decide over hand-made RankReports
 (what the gather would bring), the policy and the step's facts. No process group, no training:
 ties for "the first parameter", two origins, an expert-parallel group, ranks that did not report,
 and the guard's own failure while deciding."""
@@ -10,11 +10,12 @@ import torch
 
 from megatron_patches.check import Verdict
 from megatron_patches.config import Config
+from megatron_patches.decide import StepFacts, decide
 from megatron_patches.decisions import Action, GradePolicy
 from megatron_patches.detectors import CheckContext
 from megatron_patches.findings import RankReport
 from megatron_patches.incidents import ParamFinding, first_of
-from megatron_patches.respond import Responder, StepFacts, decide
+from megatron_patches.respond import Responder
 
 pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)
 

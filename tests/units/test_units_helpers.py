@@ -8,7 +8,7 @@ import stat
 import pytest
 import torch
 
-from megatron_patches import collectives, files, naming
+from megatron_patches import collectives, files, incidents, naming
 from megatron_patches.detectors import Rotation
 from megatron_patches.incident_text import one_line
 
@@ -64,8 +64,8 @@ def test_a_parameter_carries_the_virtual_pipeline_rank_of_its_own_chunk():
     chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
     infos = naming.name_parameters(chunks, None)
     running = {"global": 0, "tp": 0, "pp": 0, "dp": 0, "cp": 0, "ep": 0, "vpp": 0}
-    assert [naming.param_ranks(running, infos[id(p)])["vpp"] for c in chunks for p in c.parameters()] == [0, 0, 1, 1]
-    assert naming.param_ranks(running, None) == running
+    assert [incidents.param_ranks(running, infos[id(p)])["vpp"] for c in chunks for p in c.parameters()] == [0, 0, 1, 1]
+    assert incidents.param_ranks(running, None) == running
 
 
 def test_rank_and_world_without_torch_distributed():

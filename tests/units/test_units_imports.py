@@ -268,3 +268,25 @@ def test_no_module_keeps_per_run_state():
     starts clean; what stays in modules is the process's, each with its reason above."""
     assert module_state() - PROCESS_STATE.keys() == set()
     assert PROCESS_STATE.keys() <= module_state()  # the list stays true as the code changes
+
+
+# --- rank 0's decision is pure: no torch, no collectives (issue 60 item 2) ------------------------
+
+_LOADED = ("import sys, importlib; importlib.import_module(sys.argv[1]); "
+           "print(sorted(m for m in ('torch', 'megatron_patches.collectives') if m in sys.modules))")
+
+
+def loaded_with(module: str) -> str:
+    """Which of torch and the collectives a fresh process holds after importing ``module``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", _LOADED, module], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout.strip()
+
+
+def test_decide_imports_neither_torch_nor_the_collectives():
+    """``decide.py`` (decide, StepFacts, the assembly of the incident) runs on what it is handed:
+    importing it, and all it imports, loads neither torch nor the collectives. The rank side
+    (findings.py, which reads the tensors) loads both: the check sees them where they are."""
+    assert loaded_with("megatron_patches.decide") == "[]"
+    assert loaded_with("megatron_patches.findings") == "['megatron_patches.collectives', 'torch']"

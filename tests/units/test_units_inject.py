@@ -131,14 +131,14 @@ def test_the_drills_are_the_runs_and_go_with_it(clean_patches):
     kept = (logger.propagate, list(logger.handlers), logger.level)  # install sets logging up
     try:
         monitor = runtime.install(Config.from_dict({"inject": ["nan:step=3,phase=local", "poison:sample=7"]}))
-        assert [s.text for s in monitor.drills.specs] == ["nan:step=3,phase=local", "poison:sample=7"]
-        assert monitor.drills.poisoned([6, 7]) == {7}
-        assert monitor.drills.fired_at(monitor.upcoming_step()) == [
+        assert [s.text for s in monitor.state.drills.specs] == ["nan:step=3,phase=local", "poison:sample=7"]
+        assert monitor.state.drills.poisoned([6, 7]) == {7}
+        assert monitor.state.drills.fired_at(monitor.state.clock.upcoming()) == [
             {"drill": "poison:sample=7", "rank": 0, "sample": 7}]  # fed on the step the guard is making
         runtime.uninstall()
         assert wrappers.get_monitor() is None
         again = runtime.install(Config())
-        assert again is not monitor and again.drills.specs == () and not again.drills
+        assert again is not monitor and again.state.drills.specs == () and not again.state.drills
     finally:
         runtime.uninstall()
         logger.propagate, logger.handlers[:] = kept[0], kept[1]

@@ -118,7 +118,7 @@ class BridgeSession(Callback):
             return
         self._started, self.state = True, state
         cfg = state.cfg
-        recovery = self.monitor.config.recovery
+        recovery = self.monitor.state.config.recovery
         if recovery.keep_checkpoints is not None:
             if collectives.rank() == 0:
                 log.error("recovery.keep_checkpoints is the tiny-GPT harness's retention; Megatron-Bridge keeps "
@@ -127,7 +127,7 @@ class BridgeSession(Callback):
         root = cfg.checkpoint.save or cfg.checkpoint.load
         if root is None:
             warn0("neither checkpoint.save nor checkpoint.load set: a rollback decision exits with %d but there "
-                  "is no checkpoint or ledger to resume from", self.monitor.config.response.exit_codes.rollback)
+                  "is no checkpoint or ledger to resume from", self.monitor.state.config.response.exit_codes.rollback)
             return
         try:
             self.rollback = Rollback(self.monitor, root)

@@ -105,7 +105,7 @@ class MegatronLMSession(Callback):
             return
         args = get_args()
         _refuse_unsupported(args)
-        if self.monitor.config.recovery.keep_checkpoints is not None:
+        if self.monitor.state.config.recovery.keep_checkpoints is not None:
             if collectives.rank() == 0:
                 log.error("recovery.keep_checkpoints is the tiny-GPT harness's retention; Megatron-LM's loop "
                           "keeps every checkpoint it saves and megatron_patches deletes none there: remove the key")
@@ -114,7 +114,7 @@ class MegatronLMSession(Callback):
         self.root = args.save or args.load
         if self.root is None:
             warn0("neither --save nor --load given: a rollback decision exits with %d but "
-                  "there is no checkpoint or ledger to resume from", self.monitor.config.response.exit_codes.rollback)
+                  "there is no checkpoint or ledger to resume from", self.monitor.state.config.response.exit_codes.rollback)
             return
         try:
             self.rollback = Rollback(self.monitor, self.root)
@@ -123,7 +123,7 @@ class MegatronLMSession(Callback):
                 log.error("%s", error)
             exit_refused(collectives.rank())
         self.rollback.before_load(args, optimizer)
-        if self.monitor.config.recovery.mode == "in_process":
+        if self.monitor.state.config.recovery.mode == "in_process":
             self.in_process = InProcessRollback(self.monitor, self.rollback, self.before_step)
 
     # -- around each iteration ------------------------------------------------------------------
@@ -148,7 +148,7 @@ class MegatronLMSession(Callback):
         self.monitor.set_step(iteration)
         self.monitor.set_batch(_sample_positions(args), iteration=iteration,
                                consumed_train_samples=int(args.consumed_train_samples))
-        self._checked_before = self.monitor.counters["checked_steps"]
+        self._checked_before = self.monitor.state.counters["checked_steps"]
 
     def megatron_exits(self, code: int, state: str) -> None:
         """Megatron's rerun machine ends the job itself with ``code`` (16: resume from the
@@ -160,10 +160,10 @@ class MegatronLMSession(Callback):
         --save/--load are the same on every rank)."""
         if self.restart is None:
             warn0("Megatron's rerun machine exits with %d (%s) at iteration %d; no --save/--load, so "
-                  "no ledger records it", code, state, self.monitor.step)
+                  "no ledger records it", code, state, self.monitor.state.clock.step)
             return
-        fired = collectives.gather_to_zero(self.monitor.drills.fired_specs())
-        self.restart.megatron_exit(self.monitor.step, code, state, sorted({s for specs in fired for s in specs}))
+        fired = collectives.gather_to_zero(self.monitor.state.drills.fired_specs())
+        self.restart.megatron_exit(self.monitor.state.clock.step, code, state, sorted({s for specs in fired for s in specs}))
 
     def after_step(self) -> None:
         from megatron.training import get_args
@@ -176,9 +176,9 @@ class MegatronLMSession(Callback):
         iteration = int(args.curr_iteration) + 1
         if iteration % max(int(getattr(args, "tensorboard_log_interval", 1) or 1), 1):
             return
-        values = {TAG_PREFIX + k: v for k, v in self.monitor.counters.items()}
-        norm = self.monitor.last_total_norm
-        if self.monitor.counters["checked_steps"] > self._checked_before and norm is not None and math.isfinite(norm):
+        values = {TAG_PREFIX + k: v for k, v in self.monitor.state.counters.items()}
+        norm = self.monitor.state.last_total_norm
+        if self.monitor.state.counters["checked_steps"] > self._checked_before and norm is not None and math.isfinite(norm):
             values[TAG_PREFIX + "total_grad_norm"] = norm
             for layer, value in getattr(self.monitor, "last_layer_norms", {}).items():
                 if math.isfinite(value):

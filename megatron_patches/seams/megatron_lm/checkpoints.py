@@ -156,7 +156,7 @@ class CheckpointMarks(Callback):
         root = self.save_root()
         if root is None or non_persistent:
             return
-        incidents = self.monitor.counters["incidents"]
+        incidents = self.monitor.state.counters["incidents"]
         healthy = incidents == self._incidents_at_save and checkpoint.params_finite(model)
         rerun = _rerun_checkpoint()
         self._incidents_at_save = incidents
@@ -192,7 +192,7 @@ class CheckpointMarks(Callback):
     def after_check(self, step: int, flagged: bool) -> None:
         """Rank 0, after each checked step: certify the healthy saves that have had
         ``recovery.certify_steps`` clean checked steps since, or disqualify them at a flagged one."""
-        needed = self.monitor.config.recovery.certify_steps
+        needed = self.monitor.state.config.recovery.certify_steps
         for entry in [e for e in self._awaiting if e["iteration"] < step]:
             if flagged:
                 self._settle(entry, f"step {step} was flagged before the checkpoint was certified")
@@ -207,12 +207,12 @@ class CheckpointMarks(Callback):
     def after_rollback(self, rollbacks: int) -> None:
         """An in-process rollback undid the incidents since the last save: they no longer make
         the next one unhealthy."""
-        self._incidents_at_save = self.monitor.counters["incidents"]
+        self._incidents_at_save = self.monitor.state.counters["incidents"]
 
     def on_decision(self, decision: Any, incident: Any) -> None:
         """Rank 0: a diverged replica disqualifies every checkpoint it may be in."""
         if incident is not None and DIVERGED in incident.kinds:
-            self.disqualify_since(diverged_since(self.monitor.config, int(decision.step)), int(decision.step))
+            self.disqualify_since(diverged_since(self.monitor.state.config, int(decision.step)), int(decision.step))
 
     def before_exit(self, decision: Any) -> None:
         """Before any exit of the guard (and before the ledger is written): pending async saves
@@ -265,7 +265,7 @@ class CheckpointMarks(Callback):
         """Megatron loaded ``iteration`` from ``root``: the guard state saved with it comes back,
         and incidents count towards the next marker from here."""
         self._load_state(root, iteration)
-        self._incidents_at_save = self.monitor.counters["incidents"]
+        self._incidents_at_save = self.monitor.state.counters["incidents"]
         if root is not None and iteration > 0 and collectives.rank() == 0:  # a job's last save awaits its next steps
             directory = checkpoint.checkpoint_dir(root, iteration)
             fields = _marker_fields(directory)

@@ -109,7 +109,7 @@ class InProcessRollback(Callback):
         self.rollback = rollback
         self.restart = rollback.restart
         self.before_step = before_step
-        self.config = monitor.config.recovery
+        self.config = monitor.state.config.recovery
         self.ledger_path = self.restart.ledger_path
         """Named in the records: a rollback that falls back to a restart has its outcome there."""
         self.store = snapshots.SnapshotStore(self.config.snapshot_interval, self.config.snapshots_kept,
@@ -146,7 +146,7 @@ class InProcessRollback(Callback):
         self.restart.episode_samples = samples
 
     def save_ledger(self) -> None:
-        recovery.save_in_process(self.ledger, self.restart.checkpoint_root, self.monitor.rank)
+        recovery.save_in_process(self.ledger, self.restart.checkpoint_root, collectives.rank())
 
     def settle_exit(self, decision: Decision) -> Decision:
         """A stop, or a rollback made by a restart: the exit-and-restart executor writes the ledger."""
@@ -161,7 +161,7 @@ class InProcessRollback(Callback):
         """Rank 0 dates a replica divergence (the episode's iterations and samples are collected by
         ``rollback`` and its executor, callbacks too)."""
         if incident is not None and DIVERGED in incident.kinds:  # when could it have begun?
-            since = diverged_since(self.monitor.config, int(decision.step))
+            since = diverged_since(self.monitor.state.config, int(decision.step))
             self._suspect_since = since if self._suspect_since is None else min(self._suspect_since, since)
 
     def wants_replay(self, decision: Decision) -> bool:
@@ -200,7 +200,7 @@ class InProcessRollback(Callback):
     def memory_bound(self, optimizer: Any) -> str:
         """For the start line (collective: every rank calls it once, before the first step): how
         often snapshots are taken and the host memory they may hold on the rank holding most."""
-        chunks = self.monitor.model_chunks.chunks_for(optimizer) or []
+        chunks = self.monitor.state.model_chunks.chunks_for(optimizer) or []
         self._expected_bytes = snapshot_bytes(chunks, optimizer)
         largest = max(row[0] for row in collectives.all_gather_floats([float(self._expected_bytes)]))
         return start_line.memory_text(self.store.interval, self.store.kept, largest)
@@ -212,7 +212,7 @@ class InProcessRollback(Callback):
         first = not self.store.snapshots and not self.store.skipped
         taken = self.store.take(iteration, live_tensors(model, optimizer),
                                 small_values(optimizer, scheduler, self.monitor, self.ledger.lr_scale))
-        if taken is not None and first and self.monitor.rank == 0:  # rank 0 says what the copies cost, at exit
+        if taken is not None and first and collectives.rank() == 0:  # rank 0 says what the copies cost, at exit
             atexit.register(lambda: print(f"[megatron_patches] {self.store.cost_line(self._iterations, 0)}",
                                           file=sys.stderr, flush=True))
         if taken is not None and first:
@@ -220,7 +220,7 @@ class InProcessRollback(Callback):
             if self._expected_bytes is not None and taken.nbytes > self._expected_bytes:
                 log.warning("in-memory snapshot of step %d: %.1f MiB on rank %d, more than the %.1f MiB reckoned "
                             "at start (an optimizer state this guard does not know); %d are kept",
-                            iteration, taken.nbytes / 2**20, self.monitor.rank, self._expected_bytes / 2**20,
+                            iteration, taken.nbytes / 2**20, collectives.rank(), self._expected_bytes / 2**20,
                             self.store.kept)
         oldest = min((s.step for s in self.store.snapshots), default=iteration)
         for tape in self._tapes or ():
@@ -282,12 +282,12 @@ def choose_target(run: InProcessRollback, episode: Episode) -> Episode:
     wanted = run.ledger.features_off_after_next(run.config)
     already = safe_mode.expand(run.ledger.disabled_features)  # off since the job started
     rebuilt = [name for name in safe_mode.expand(wanted) if name not in already and name not in IN_PLACE_FEATURES]
-    held = collectives.gather_to_zero((run.store.certified(), run._tapes is not None), run.monitor.peers)
+    held = collectives.gather_to_zero((run.store.certified(), run._tapes is not None), run.monitor.state.peers)
     since = run._suspect_since  # rank 0: a diverged replica disqualifies every target it may be in
     candidates = [[step for step in steps if since is None or step < since] for steps, _ in held]
     agreed = collectives.broadcast_from_zero(
         (snapshots.common_newest(candidates), all(taped for _, taped in held), since) if held else None,
-        run.monitor.peers)
+        run.monitor.state.peers)
     target, taped, since = agreed
     why = _why_not_in_process(rebuilt, taped, target, since, newest_healthy_iteration(run.restart.checkpoint_root))
     if why is not None:

@@ -82,10 +82,10 @@ class ForwardReplay:
         schedule = bound.get("forward_backward_func") or get_forward_backward_func()
         extra = {name: bound[name] for name in ("p2p_communicator", "pg_collection") if bound.get(name) is not None}
         self.monitor.set_step(step)  # drills of that step act in its replay as in the step
-        with ForwardTrace(self.monitor.model_chunks.modules(), parallel_state()) as trace, torch.no_grad():
+        with ForwardTrace(self.monitor.state.model_chunks.modules(), parallel_state()) as trace, torch.no_grad():
             schedule(forward_step_func=bound["forward_step_func"], data_iterator=data_iterator, model=bound["model"],
                      num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
                      micro_batch_size=args.micro_batch_size, decoder_seq_length=args.decoder_seq_length,
                      forward_only=True, **extra)
-        forward, _ = gather_origin(trace, self.monitor.peers)
+        forward, _ = gather_origin(trace, self.monitor.state.peers)
         return forward

@@ -261,16 +261,16 @@ class Rollback(Callback):
         the iteration, and the iterations a restart skips (none where the incident's cause leaves
         the samples in: ``blacklisting`` False, :mod:`~megatron_patches.cause_response`)."""
         ledger = self.restart.ledger
-        always = self.monitor.config.recovery.blacklist == "always"
+        always = self.monitor.state.config.recovery.blacklist == "always"
         steps = sorted(set(self.episode_steps)) if always and blacklisting else []
         log.warning("ledger %s: rollback requested at iteration %d; a restart skips iterations %s "
                     "and scales the lr to %.3g of the original", ledger.path(self.root),
-                    self.monitor.step, steps, ledger.lr_scale)
-        return {"iteration": self.monitor.step, "skip_iterations": steps}
+                    self.monitor.state.clock.step, steps, ledger.lr_scale)
+        return {"iteration": self.monitor.state.clock.step, "skip_iterations": steps}
 
     def _stop(self, reason: str) -> NoReturn:
         """A critical stop before training starts (every rank reads the same ledger)."""
-        self.monitor.exit(Decision(Severity.CRITICAL, Action.STOP, reason, self.monitor.step))
+        self.monitor.exit(Decision(Severity.CRITICAL, Action.STOP, reason, self.monitor.state.clock.step))
 
 
 def scale_scheduler_bounds(scheduler: Any, factor: float) -> None:
