@@ -9,13 +9,11 @@ is used or replaced, and the GPU's own stream waits for them (no host sync) befo
 iteration writes those tensors (:meth:`SnapshotStore.fence`); on a CPU they are plain copies.
 
 A snapshot becomes a rollback *target* only once ``certify_steps`` further checked steps came out
-clean (:meth:`SnapshotStore.note_check`): the first of them checks the gradients of the very
-parameters the snapshot holds, and the consistency detector compares them across the
-data-parallel replicas in the same per-step collective, so "clean" also means "the replicas
-agreed". A flagged check before that drops every snapshot still waiting: whatever broke may
-have been building when they were taken. Every rank sees the same verdicts, so every rank
-certifies and drops the same snapshots; a rank that could not take one (memory) is found at the
-rollback, where the ranks agree on the newest target they all hold (:func:`common_newest`).
+clean, and a flagged check before that drops every snapshot still waiting
+(:meth:`SnapshotStore.note_check`): the certification every rollback target goes through
+(:mod:`megatron_patches.certify`). Every rank sees the same verdicts, so every rank certifies and
+drops the same snapshots; a rank that could not take one (memory) is found at the rollback, where
+the ranks agree on the newest target they all hold (:func:`common_newest`).
 """
 
 from __future__ import annotations
@@ -26,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+
+from .certify import Certifier
 
 log = logging.getLogger("megatron_patches")
 
@@ -40,8 +40,6 @@ class Snapshot:
     values: dict
     """Everything else, already copied (scheduler, RNG, loss scaler, data position, guard state)."""
     nbytes: int
-    clean_checks: int = 0
-    """Clean checked steps since it was taken; certified at ``certify_steps``."""
     certified_at: Optional[int] = None
     """The step whose clean check certified it (None while it waits)."""
     _ready: Any = field(default=None, repr=False)
@@ -62,6 +60,8 @@ class SnapshotStore:
         self.interval = interval
         self.kept = kept
         self.certify_steps = certify_steps
+        self.certifier = Certifier(certify_steps)
+        """The snapshots still waiting for their clean checks."""
         self.snapshots: list[Snapshot] = []
         """Oldest first; certified ones and at most the newest few still waiting."""
         self.skipped = 0
@@ -93,6 +93,7 @@ class SnapshotStore:
         finally:
             self.copy_ns += time.perf_counter_ns() - started
         self.snapshots.append(snapshot)
+        self.certifier.add(step, snapshot)
         self.taken += 1
         return snapshot
 
@@ -113,6 +114,7 @@ class SnapshotStore:
         keep = certified[-1] if certified else None
         victim = next(s for s in self.snapshots if s is not keep) if len(self.snapshots) > 1 else self.snapshots[0]
         self.snapshots.remove(victim)
+        self.certifier.discard(victim)
         return victim
 
     def _copy(self, step: int, live: list, values: dict, recycled: Optional[Snapshot]) -> Snapshot:
@@ -147,14 +149,10 @@ class SnapshotStore:
 
     def note_check(self, step: int, flagged: bool) -> None:
         """A checked step's verdict (the same on every rank): certify, or drop those still waiting."""
-        waiting = [s for s in self.snapshots if s.certified_at is None and s.step < step]
-        if flagged:
-            self.snapshots = [s for s in self.snapshots if s not in waiting]
-            return
-        for snapshot in waiting:
-            snapshot.clean_checks += 1
-            if snapshot.clean_checks >= self.certify_steps:
-                snapshot.certified_at = step
+        certified, dropped = self.certifier.note_check(step, flagged)
+        for snapshot in certified:
+            snapshot.certified_at = step
+        self.snapshots = [s for s in self.snapshots if not any(s is gone for gone in dropped)]
 
     def certified(self) -> list[int]:
         """Steps of the certified snapshots held, oldest first."""
@@ -167,7 +165,9 @@ class SnapshotStore:
 
     def drop_after(self, step: int) -> None:
         """After a rollback to ``step``: the snapshots of the abandoned future are gone."""
-        self.snapshots = [s for s in self.snapshots if s.step <= step]
+        for snapshot in [s for s in self.snapshots if s.step > step]:
+            self.snapshots.remove(snapshot)
+            self.certifier.discard(snapshot)
 
     def bytes_held(self) -> int:
         return sum(s.nbytes for s in self.snapshots)
@@ -191,3 +191,4 @@ def common_newest(held: list[list[int]]) -> Optional[int]:
     for steps in held[1:]:
         common &= set(steps)
     return max(common) if common else None
+
