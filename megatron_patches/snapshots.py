@@ -13,7 +13,7 @@ clean, and a flagged check before that drops every snapshot still waiting
 (:meth:`SnapshotStore.note_check`): the certification every rollback target goes through
 (:mod:`megatron_patches.certify`). Every rank sees the same verdicts, so every rank certifies and
 drops the same snapshots; a rank that could not take one (memory) is found at the rollback, where
-the ranks agree on the newest target they all hold (:func:`common_newest`).
+the ranks agree on the newest target they all hold (:func:`common_newest`, :func:`agreed_newest`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from typing import Any, Optional
 
 import torch
 
+from . import collectives
+from .callbacks import Callback
 from .certify import Certifier
 
 log = logging.getLogger("megatron_patches")
@@ -52,9 +54,10 @@ class Snapshot:
             self._ready = None
 
 
-class SnapshotStore:
+class SnapshotStore(Callback):
     """The snapshots of one run on one rank: taken every ``interval`` steps, the newest ``kept``
-    held, certified after ``certify_steps`` clean checked steps."""
+    held, certified after ``certify_steps`` clean checked steps (as a callback of the monitor, or
+    told each verdict by its owner: :meth:`note_check`)."""
 
     def __init__(self, interval: int, kept: int, certify_steps: int):
         self.interval = interval
@@ -154,6 +157,9 @@ class SnapshotStore:
             snapshot.certified_at = step
         self.snapshots = [s for s in self.snapshots if not any(s is gone for gone in dropped)]
 
+    def after_check(self, step: int, flagged: bool) -> None:
+        self.note_check(step, flagged)
+
     def certified(self) -> list[int]:
         """Steps of the certified snapshots held, oldest first."""
         return [s.step for s in self.snapshots if s.certified_at is not None]
@@ -192,3 +198,40 @@ def common_newest(held: list[list[int]]) -> Optional[int]:
         common &= set(steps)
     return max(common) if common else None
 
+
+def agreed_newest(store: SnapshotStore, peers: Any, below: Optional[int] = None) -> Optional[int]:
+    """Every rank: the newest step all ranks hold a certified snapshot of (older than ``below`` when
+    given), or None. Collective over the guard's bounded group ``peers``: every rank calls it."""
+    held = collectives.gather_to_zero([s for s in store.certified() if below is None or s < below], peers)
+    return collectives.broadcast_from_zero(common_newest(held) if held else None, peers)
+
+
+class LoopSnapshots:
+    """The in-memory snapshots of a loop that hands its state over (the tiny-GPT harness, through
+    :class:`~megatron_patches.recovery.TrainingLoop`'s ``live_tensors``, ``state_values`` and
+    ``restore_values``): a store certified by the monitor's checks, one snapshot every
+    ``recovery.snapshot_interval`` steps, and the restore of the newest one every rank holds."""
+
+    def __init__(self, monitor: Any, loop: Any):
+        recovery = monitor.config.recovery
+        self.monitor = monitor
+        self.loop = loop
+        self.store = SnapshotStore(recovery.snapshot_interval, recovery.snapshots_kept, recovery.certify_steps)
+        monitor.add_callback(self.store)
+
+    def after_step(self, step: int) -> None:
+        """After ``step``'s update (and its decision, if any): a snapshot when one is due."""
+        if self.store.due(step):
+            self.store.take(step, self.loop.live_tensors(), self.loop.state_values())
+
+    def newest(self, below: Optional[int] = None) -> Optional[int]:
+        """Every rank: the newest step every rank holds certified (older than ``below``), or None."""
+        return agreed_newest(self.store, self.monitor.peers, below)
+
+    def restore(self, step: int) -> Snapshot:
+        """Every rank: the loop's state back to the snapshot of ``step``; the newer ones are dropped."""
+        snapshot = self.store.get(step)
+        restore(snapshot, self.loop.live_tensors())
+        self.loop.restore_values(snapshot.values)
+        self.store.drop_after(step)
+        return snapshot
