@@ -72,13 +72,16 @@ test-bridge:
 layout-matrix: install
 	$(VPY) -m pytest -q -m "layout_matrix or not slow" $(PYTEST_ARGS) tests/trainings/test_layouts.py
 
-# A tiny GPT on $(NPROC) CPU ranks (TP=2 x DP=2), a NaN injected into one tensor-parallel
-# weight on rank 1 at step 12: the guard catches it, names it, skips the step; training goes on.
+# A tiny GPT on $(NPROC) CPU ranks (TP=2 x DP=2), no checkpoint flag. Step 12: a NaN in one
+# tensor-parallel gradient on rank 1; the guard catches it, names it, skips the step. Step 20: a NaN
+# written into a weight on rank 2, held there for good; rolled back in memory to the newest
+# certified snapshot. Training goes on to step 30.
 demo: install
 	rm -rf runs/demo
 	$(VPY) -m torch.distributed.run --nproc-per-node $(NPROC) -m megatron_patches.tiny_gpt \
 		--tp 2 --steps 30 --out runs/demo \
-		--inject "nan:step=12,param=decoder.layers.1.mlp.linear_fc1.weight,rank=1"
+		--inject "nan:step=12,param=decoder.layers.1.mlp.linear_fc1.weight,rank=1" \
+		--inject "nan:step=20,phase=param,param=decoder.layers.0.mlp.linear_fc2.weight,rank=2"
 	$(VPY) -m megatron_patches report runs/demo
 
 bench: install

@@ -25,6 +25,7 @@ from typing import Any, Optional
 from . import checkpoint, collectives
 from .cause import Cause, Signs, classify
 from .decisions import Action, Decision, Severity
+from .incidents import IN_MEMORY
 from .ledger import Ledger
 
 Episode = Any
@@ -138,8 +139,9 @@ def healthy_target(root: str, disqualified: list) -> Optional[tuple[int, str]]:
 
 
 def restore_target(run: InProcessRecovery, episode: Episode) -> Episode:
-    """Load the newest healthy checkpoint not disqualified (:func:`disqualify`); with none the
-    rollback becomes a critical stop."""
+    """Restore the newest target not disqualified (:func:`disqualify`): the newest in-memory
+    snapshot every rank holds certified (``run.snapshots``), or the newest healthy checkpoint where
+    that is newer; with neither the rollback becomes a critical stop."""
     if not episode.rolls_back:
         return episode
     passed = disqualify(run.ledger, episode.step, cause_of(episode))
@@ -147,11 +149,18 @@ def restore_target(run: InProcessRecovery, episode: Episode) -> Episode:
         log.warning("rollback target step %d disqualified: its redo met the fault again (cause %s) at step %d; "
                     "an older one is taken", passed, cause_of(episode), episode.step)
     target = healthy_target(run.loop.checkpoint_root, run.ledger.disqualified)
+    in_memory = run.snapshots.newest(below=min(run.ledger.disqualified, default=None))
+    if in_memory is not None and (target is None or in_memory >= target[0]):
+        snapshot = run.snapshots.restore(in_memory)
+        outcome = replace(episode.outcome, rolled_back_to=in_memory, checkpoint=IN_MEMORY,
+                          certified_at=snapshot.certified_at)
+        return replace(episode, outcome=outcome, resume_at=in_memory + 1)
     if target is None:
-        return _decided(episode, episode.decision.escalated("no healthy checkpoint to roll back to"
-                                                            + (f" older than the disqualified step {passed}"
-                                                               if passed is not None else "")))
+        return _decided(episode, episode.decision.escalated("no certified in-memory snapshot and no healthy checkpoint "
+                                                            "to roll back to" + (f" older than the disqualified step "
+                                                                                 f"{passed}" if passed is not None else "")))
     healthy_step, path = target
+    run.snapshots.store.drop_after(healthy_step)  # those of the abandoned future
     resumed = run.loop.load_checkpoint(path)
     outcome = replace(episode.outcome, rolled_back_to=healthy_step, checkpoint=path)
     return replace(episode, outcome=outcome, resume_at=resumed + 1)

@@ -4,9 +4,10 @@ saved by :mod:`megatron_patches.testing.checkpoints`, or Megatron-LM's).
 ``megatron_patches.json`` beside the data says whether the checkpoint is *healthy*: no
 incident since the previous healthy checkpoint and every parameter finite on every rank. A
 healthy one written ``certified_at: null`` is a rollback target only once the checked steps
-after it came out clean (:class:`Certification`; Megatron-LM's loop has its own in
-:mod:`megatron_patches.seams.megatron_lm.checkpoints`). Retention never deletes the newest
-rollback target. Nothing here knows Megatron's classes.
+after it came out clean (:class:`Certification`; Megatron-LM's loop marks its own in
+:mod:`megatron_patches.seams.megatron_lm.checkpoints`; both, and the in-memory snapshots, are
+certified by :mod:`megatron_patches.certify`). Retention never deletes the newest rollback target.
+Nothing here knows Megatron's classes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from .callbacks import Callback
+from .certify import Certifier
 from .collectives import collective_device, local_shard
 from .files import write_json_atomic
 
@@ -136,35 +138,31 @@ def _marker(directory: str) -> dict:
 
 
 class Certification(Callback):
-    """Rank 0's list of this run's healthy checkpoints awaiting certification: each becomes a
-    rollback target after ``certify_steps`` clean checked steps (its marker rewritten with
-    ``certified_at``), and is marked unhealthy (``not_certified``) at a flagged step first. Loops
-    that write these markers register one with the monitor (the tiny-GPT harness)."""
+    """Rank 0's healthy checkpoints of this run awaiting certification (:mod:`megatron_patches.certify`):
+    each becomes a rollback target at its ``certify_steps``-th clean checked step (its marker
+    rewritten with ``certified_at``), and is marked unhealthy (``not_certified``) at a flagged step
+    first. Loops that write these markers register one with the monitor (the tiny-GPT harness)."""
 
     def __init__(self, certify_steps: int, rank: int):
-        self.certify_steps = certify_steps
         self.rank = rank
-        self.waiting: list[list] = []
-        """[step, path, clean checks so far], oldest first (rank 0)."""
+        self.certifier = Certifier(certify_steps)
+        """(step, path) of each checkpoint awaiting its clean checks (rank 0)."""
 
     def awaiting(self, step: int, path: str) -> None:
         """A checkpoint written (or loaded) with ``certified_at: null``."""
         if self.rank == 0:
-            self.waiting.append([step, path, 0])
+            self.certifier.add(step, (step, path))
 
     def after_check(self, step: int, flagged: bool) -> None:
-        for entry in [e for e in self.waiting if e[0] < step]:
-            if flagged:
-                self._settle(entry, {"healthy": False,
-                                     "not_certified": f"step {step} was flagged before the checkpoint was certified"})
-                continue
-            entry[2] += 1
-            if entry[2] >= self.certify_steps:
-                self._settle(entry, {"certified_at": step})
+        certified, dropped = self.certifier.note_check(step, flagged)
+        for entry in dropped:
+            self._settle(entry, {"healthy": False,
+                                 "not_certified": f"step {step} was flagged before the checkpoint was certified"})
+        for entry in certified:
+            self._settle(entry, {"certified_at": step})
 
-    def _settle(self, entry: list, fields: dict) -> None:
-        self.waiting.remove(entry)
-        step, path, _ = entry
+    def _settle(self, entry: tuple, fields: dict) -> None:
+        step, path = entry
         try:
             write_json_atomic(os.path.join(path, MARKER), {**_marker(path), **fields})
         except (OSError, ValueError) as error:  # gone (retention) or unreadable: it stays no target

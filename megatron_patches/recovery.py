@@ -3,12 +3,13 @@ learning rate and the offending samples blacklisted, within a retry budget.
 
 Two executors share the :class:`~megatron_patches.ledger.Ledger` kept next to the checkpoints:
 
-* in-process (:class:`InProcessRecovery`): for loops that hand over their state through the
-  small :class:`TrainingLoop` protocol (the tiny-GPT harness does). It runs one incident as a
-  chain of small steps, each taking the incident's frozen :class:`Episode` and returning a new one;
-* exit-and-restart (:class:`ExitAndRestart`): every rank exits with
-  ``response.exit_codes.rollback`` (84) after rank 0 wrote the ledger; the next start reads it
-  (``Ledger.load``) and resumes.
+* in-process (:class:`InProcessRecovery`): for loops that hand over their state through the small
+  :class:`TrainingLoop` protocol (the tiny-GPT harness does), with in-memory snapshots as rollback
+  targets (:class:`~megatron_patches.snapshots.LoopSnapshots`, Megatron-LM's loop has the same), a
+  checkpoint where one is newer. One incident runs as a chain of small steps, each taking its
+  frozen :class:`Episode` and returning a new one;
+* exit-and-restart (:class:`ExitAndRestart`): every rank exits with ``response.exit_codes.rollback``
+  (84) after rank 0 wrote the ledger; the next start reads it (``Ledger.load``) and resumes.
 
 The in-process chain (:data:`IN_PROCESS_STEPS`), as pseudocode::
 
@@ -19,7 +20,7 @@ The in-process chain (:data:`IN_PROCESS_STEPS`), as pseudocode::
     blacklist       # data, unknown: what reproduced it; on a rollback with blacklist: always, the episode's samples
     count_device    # hardware: the device counted in the ledger; response.hardware_repeat of them -> fence
     refuse_repeat   # rollback: one that would redo the last to no purpose (same step, nothing cut) -> critical
-    restore_target  # rollback: the newest healthy target not disqualified; none -> a critical stop
+    restore_target  # rollback: the newest certified snapshot or healthy checkpoint not disqualified; none -> critical
     cut_lr          # rollback: ledger count + 1, lr_scale = max(lr_scale * lr_factor, lr_floor)
     safe_mode       # rollback: switch off recovery.disable_features (and the later stages')
     record_rollback # rollback: the ledger's event, saved; grading starts afresh
@@ -36,7 +37,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from . import collectives, forward_origin, safe_mode
 from .callbacks import Callback
@@ -46,6 +47,7 @@ from .decisions import Action, Decision, exit_code
 from .incidents import IN_MEMORY, Incident, Outcome
 from .ledger import Ledger
 from .protocols import Guard
+from .snapshots import LoopSnapshots
 
 log = logging.getLogger("megatron_patches")
 
@@ -72,6 +74,14 @@ class TrainingLoop(Protocol):
 
     def disable_feature(self, name: str) -> None:
         """Switch off a feature named in ``recovery.disable_features``."""
+
+    def live_tensors(self) -> list:
+        """Every tensor of this rank's training state, in a fixed order (what a snapshot copies)."""
+
+    def state_values(self) -> dict:
+        """Copies of the rest (scheduler, RNG, data position, guard baselines), for ``restore_values``."""
+
+    def restore_values(self, values: dict) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -257,28 +267,29 @@ class InProcessRecovery:
         self.ledger = Ledger.load(loop.checkpoint_root)
         self.episode_samples: list = []
         """Every sample fed since the last rollback's incident (``blacklist: always``)."""
+        self.snapshots = LoopSnapshots(monitor, loop)  # rollback targets; a checkpoint where newer
         monitor.attach(self, self.ledger.rollbacks)
         loop.set_blacklist(self.ledger.blacklist)
         loop.set_lr_scale(self.ledger.lr_scale)
 
     def after_step(self, step: int, batch_samples: list) -> Optional[int]:
-        """Call on every rank after each optimizer step. Returns the step to continue from
-        after a rollback, else None."""
+        """Every rank, after each optimizer step: the step to continue from after a rollback, else None."""
         decision = self.monitor.take_decision()
-        if decision is None:
-            return None
-        self.episode_samples += batch_samples
-        episode = Episode(step, decision, tuple(batch_samples))
-        for run_step in self.steps:
-            episode = run_step(self, episode)
-        return episode.resume_at
+        if decision is not None:
+            self.episode_samples += batch_samples
+            episode = Episode(step, decision, tuple(batch_samples))
+            for run_step in self.steps:
+                episode = run_step(self, episode)
+            if episode.resume_at is not None:
+                return episode.resume_at
+        self.snapshots.after_step(step)
+        return None
 
     def save_ledger(self) -> None:
         save_in_process(self.ledger, self.loop.checkpoint_root, collectives.rank())
 
     def settle_exit(self, decision: Decision) -> Decision:
-        """Nothing to write before an exit: the ledger was saved at each rollback."""
-        return decision
+        return decision  # nothing to write before an exit: the ledger was saved at each rollback
 
 
 class ExitAndRestart(Callback):

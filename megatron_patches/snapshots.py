@@ -9,13 +9,11 @@ is used or replaced, and the GPU's own stream waits for them (no host sync) befo
 iteration writes those tensors (:meth:`SnapshotStore.fence`); on a CPU they are plain copies.
 
 A snapshot becomes a rollback *target* only once ``certify_steps`` further checked steps came out
-clean (:meth:`SnapshotStore.note_check`): the first of them checks the gradients of the very
-parameters the snapshot holds, and the consistency detector compares them across the
-data-parallel replicas in the same per-step collective, so "clean" also means "the replicas
-agreed". A flagged check before that drops every snapshot still waiting: whatever broke may
-have been building when they were taken. Every rank sees the same verdicts, so every rank
-certifies and drops the same snapshots; a rank that could not take one (memory) is found at the
-rollback, where the ranks agree on the newest target they all hold (:func:`common_newest`).
+clean, and a flagged check before that drops every snapshot still waiting
+(:meth:`SnapshotStore.note_check`): the certification every rollback target goes through
+(:mod:`megatron_patches.certify`). Every rank sees the same verdicts, so every rank certifies and
+drops the same snapshots; a rank that could not take one (memory) is found at the rollback, where
+the ranks agree on the newest target they all hold (:func:`common_newest`, :func:`agreed_newest`).
 """
 
 from __future__ import annotations
@@ -26,6 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+
+from . import collectives
+from .callbacks import Callback
+from .certify import Certifier
 
 log = logging.getLogger("megatron_patches")
 
@@ -40,8 +42,6 @@ class Snapshot:
     values: dict
     """Everything else, already copied (scheduler, RNG, loss scaler, data position, guard state)."""
     nbytes: int
-    clean_checks: int = 0
-    """Clean checked steps since it was taken; certified at ``certify_steps``."""
     certified_at: Optional[int] = None
     """The step whose clean check certified it (None while it waits)."""
     _ready: Any = field(default=None, repr=False)
@@ -54,14 +54,17 @@ class Snapshot:
             self._ready = None
 
 
-class SnapshotStore:
+class SnapshotStore(Callback):
     """The snapshots of one run on one rank: taken every ``interval`` steps, the newest ``kept``
-    held, certified after ``certify_steps`` clean checked steps."""
+    held, certified after ``certify_steps`` clean checked steps (as a callback of the monitor, or
+    told each verdict by its owner: :meth:`note_check`)."""
 
     def __init__(self, interval: int, kept: int, certify_steps: int):
         self.interval = interval
         self.kept = kept
         self.certify_steps = certify_steps
+        self.certifier = Certifier(certify_steps)
+        """The snapshots still waiting for their clean checks."""
         self.snapshots: list[Snapshot] = []
         """Oldest first; certified ones and at most the newest few still waiting."""
         self.skipped = 0
@@ -93,6 +96,7 @@ class SnapshotStore:
         finally:
             self.copy_ns += time.perf_counter_ns() - started
         self.snapshots.append(snapshot)
+        self.certifier.add(step, snapshot)
         self.taken += 1
         return snapshot
 
@@ -113,6 +117,7 @@ class SnapshotStore:
         keep = certified[-1] if certified else None
         victim = next(s for s in self.snapshots if s is not keep) if len(self.snapshots) > 1 else self.snapshots[0]
         self.snapshots.remove(victim)
+        self.certifier.discard(victim)
         return victim
 
     def _copy(self, step: int, live: list, values: dict, recycled: Optional[Snapshot]) -> Snapshot:
@@ -147,14 +152,13 @@ class SnapshotStore:
 
     def note_check(self, step: int, flagged: bool) -> None:
         """A checked step's verdict (the same on every rank): certify, or drop those still waiting."""
-        waiting = [s for s in self.snapshots if s.certified_at is None and s.step < step]
-        if flagged:
-            self.snapshots = [s for s in self.snapshots if s not in waiting]
-            return
-        for snapshot in waiting:
-            snapshot.clean_checks += 1
-            if snapshot.clean_checks >= self.certify_steps:
-                snapshot.certified_at = step
+        certified, dropped = self.certifier.note_check(step, flagged)
+        for snapshot in certified:
+            snapshot.certified_at = step
+        self.snapshots = [s for s in self.snapshots if not any(s is gone for gone in dropped)]
+
+    def after_check(self, step: int, flagged: bool) -> None:
+        self.note_check(step, flagged)
 
     def certified(self) -> list[int]:
         """Steps of the certified snapshots held, oldest first."""
@@ -167,7 +171,9 @@ class SnapshotStore:
 
     def drop_after(self, step: int) -> None:
         """After a rollback to ``step``: the snapshots of the abandoned future are gone."""
-        self.snapshots = [s for s in self.snapshots if s.step <= step]
+        for snapshot in [s for s in self.snapshots if s.step > step]:
+            self.snapshots.remove(snapshot)
+            self.certifier.discard(snapshot)
 
     def bytes_held(self) -> int:
         return sum(s.nbytes for s in self.snapshots)
@@ -191,3 +197,41 @@ def common_newest(held: list[list[int]]) -> Optional[int]:
     for steps in held[1:]:
         common &= set(steps)
     return max(common) if common else None
+
+
+def agreed_newest(store: SnapshotStore, peers: Any, below: Optional[int] = None) -> Optional[int]:
+    """Every rank: the newest step all ranks hold a certified snapshot of (older than ``below`` when
+    given), or None. Collective over the guard's bounded group ``peers``: every rank calls it."""
+    held = collectives.gather_to_zero([s for s in store.certified() if below is None or s < below], peers)
+    return collectives.broadcast_from_zero(common_newest(held) if held else None, peers)
+
+
+class LoopSnapshots:
+    """The in-memory snapshots of a loop that hands its state over (the tiny-GPT harness, through
+    :class:`~megatron_patches.recovery.TrainingLoop`'s ``live_tensors``, ``state_values`` and
+    ``restore_values``): a store certified by the monitor's checks, one snapshot every
+    ``recovery.snapshot_interval`` steps, and the restore of the newest one every rank holds."""
+
+    def __init__(self, monitor: Any, loop: Any):
+        recovery = monitor.state.config.recovery
+        self.monitor = monitor
+        self.loop = loop
+        self.store = SnapshotStore(recovery.snapshot_interval, recovery.snapshots_kept, recovery.certify_steps)
+        monitor.add_callback(self.store)
+
+    def after_step(self, step: int) -> None:
+        """After ``step``'s update (and its decision, if any): a snapshot when one is due."""
+        if self.store.due(step):
+            self.store.take(step, self.loop.live_tensors(), self.loop.state_values())
+
+    def newest(self, below: Optional[int] = None) -> Optional[int]:
+        """Every rank: the newest step every rank holds certified (older than ``below``), or None."""
+        return agreed_newest(self.store, self.monitor.state.peers, below)
+
+    def restore(self, step: int) -> Snapshot:
+        """Every rank: the loop's state back to the snapshot of ``step``; the newer ones are dropped."""
+        snapshot = self.store.get(step)
+        restore(snapshot, self.loop.live_tensors())
+        self.loop.restore_values(snapshot.values)
+        self.store.drop_after(step)
+        return snapshot

@@ -176,6 +176,29 @@ class TinyTrainer:
             self.monitor.load_state_dict(common["monitor"])
         return int(common["step"])
 
+    def live_tensors(self) -> list:
+        """Model parameters, main weights and optimizer state: what an in-memory snapshot copies (the
+        same function as Megatron-LM's in-process rollback)."""
+        from ..seams.megatron_lm.state import live_tensors
+
+        return live_tensors([self.model], self.optimizer)
+
+    def state_values(self) -> dict:
+        """Scheduler, param groups, loss scaler, RNG, rerun machine, guard baselines (Megatron-LM's
+        loop snapshots the same) and the harness's data position."""
+        from ..seams.megatron_lm.state import small_values
+
+        return {**small_values(self.optimizer, self.scheduler, self.monitor, self.lr_scale),
+                "sampler": self.sampler.state_dict()}
+
+    def restore_values(self, values: dict) -> None:
+        from ..seams.megatron_lm.state import after_restore, restore_values
+
+        after_restore([self.model], self.optimizer)
+        restore_values(values, self.optimizer, self.scheduler, self.monitor)
+        self.sampler.load_state_dict(values["sampler"])
+        self.lr_scale = values["lr_scale"]
+
     def set_lr_scale(self, scale: float) -> None:
         self.lr_scale = scale
         init, top, bottom, groups = self._base_lr

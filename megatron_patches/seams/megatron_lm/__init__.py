@@ -87,7 +87,7 @@ class MegatronLMSession(Callback):
         self.replay: Optional[ForwardReplay] = None
         """Replays a skipped step's forward pass where Megatron's own check is off (:mod:`.replay`)."""
         self.in_process: Optional[InProcessRollback] = None
-        """Snapshots and in-process rollbacks (``recovery.mode: in_process``, with --save/--load)."""
+        """Snapshots and in-process rollbacks (``recovery.mode: in_process``)."""
         self._first_step = True
         self._checked_before = 0
 
@@ -112,19 +112,23 @@ class MegatronLMSession(Callback):
             exit_refused(collectives.rank())
         _advise(args)
         self.root = args.save or args.load
-        if self.root is None:
+        in_process = self.monitor.state.config.recovery.mode == "in_process"
+        if self.root is None and not in_process:
             warn0("neither --save nor --load given: a rollback decision exits with %d but "
                   "there is no checkpoint or ledger to resume from", self.monitor.state.config.response.exit_codes.rollback)
             return
+        if self.root is None:  # in-memory snapshots need no checkpoint: the ledger goes beside the report
+            warn0("neither --save nor --load given: rollbacks in memory only, the ledger in %s", self.monitor.state.report_dir)
         try:
-            self.rollback = Rollback(self.monitor, self.root)
+            self.rollback = Rollback(self.monitor, self.root or self.monitor.state.report_dir)
         except UserError as error:  # a ledger nobody can apply: one line, every rank exits 2
             if collectives.rank() == 0:
                 log.error("%s", error)
             exit_refused(collectives.rank())
         self.rollback.before_load(args, optimizer)
-        if self.monitor.state.config.recovery.mode == "in_process":
-            self.in_process = InProcessRollback(self.monitor, self.rollback, self.before_step)
+        if in_process:
+            self.in_process = InProcessRollback(self.monitor, self.rollback, self.before_step,
+                                                restartable=self.root is not None)
 
     # -- around each iteration ------------------------------------------------------------------
 

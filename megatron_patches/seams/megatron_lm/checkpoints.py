@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 from ... import checkpoint, collectives
 from ...callbacks import Callback
+from ...certify import Certifier
 from ...detectors.base import Rotation
 from ...files import write_json_atomic
 from ...protocols import Guard
@@ -119,8 +120,8 @@ class CheckpointMarks(Callback):
         self._incidents_at_save = 0
         self._pending: list[dict] = []
         """Rank 0: saves not marked yet ({directory, iteration, healthy, fields})."""
-        self._awaiting: list[dict] = []
-        """Rank 0: healthy saves not certified yet (the same entries, with ``clean`` and ``marked``)."""
+        self.certifier = Certifier(monitor.state.config.recovery.certify_steps)
+        """Rank 0: healthy saves not certified yet (the same entries, with ``marked``)."""
 
     # -- what the loop says about its saves (Megatron-LM's args here) --------------------------------
 
@@ -165,12 +166,12 @@ class CheckpointMarks(Callback):
         if collectives.rank() != 0 or not os.path.isdir(directory):
             return
         healthy = healthy and rerun is None
-        entry = {"directory": directory, "iteration": int(iteration), "healthy": healthy, "clean": 0, "marked": False,
+        entry = {"directory": directory, "iteration": int(iteration), "healthy": healthy, "marked": False,
                  "fields": {"incidents": incidents, "lr_scale": lr_scale, **({"rerun": rerun} if rerun else {}),
                             **({"certified_at": None} if healthy else {})}}
         self._pending.append(entry)
         if healthy:
-            self._awaiting.append(entry)
+            self.certifier.add(int(iteration), entry)
         if self.async_save() and not self.async_saves_finalized():
             log.info("checkpoint iteration %d: marked once its async save is finalized", iteration)
             if len(self._pending) == 1:
@@ -191,16 +192,14 @@ class CheckpointMarks(Callback):
 
     def after_check(self, step: int, flagged: bool) -> None:
         """Rank 0, after each checked step: certify the healthy saves that have had
-        ``recovery.certify_steps`` clean checked steps since, or disqualify them at a flagged one."""
-        needed = self.monitor.state.config.recovery.certify_steps
-        for entry in [e for e in self._awaiting if e["iteration"] < step]:
-            if flagged:
-                self._settle(entry, f"step {step} was flagged before the checkpoint was certified")
-                continue
-            entry["clean"] += 1
-            if entry["clean"] >= needed:
-                entry["fields"]["certified_at"] = step
-                self._settle(entry, None)
+        ``recovery.certify_steps`` clean checked steps since, or disqualify them at a flagged one
+        (:mod:`megatron_patches.certify`)."""
+        certified, dropped = self.certifier.note_check(step, flagged)
+        for entry in dropped:
+            self._settle(entry, f"step {step} was flagged before the checkpoint was certified")
+        for entry in certified:
+            entry["fields"]["certified_at"] = step
+            self._settle(entry, None)
 
     # -- the monitor's events (callbacks.Callback) ---------------------------------------------------
 
@@ -225,7 +224,7 @@ class CheckpointMarks(Callback):
         root = self.save_root()
         # Those still awaiting certification (a target only once certified, so not listed as one) and
         # the certified targets on disk.
-        suspect = {e["iteration"]: e for e in self._awaiting if e["iteration"] >= since}
+        suspect = {e["iteration"]: e for e in self.certifier.waiting() if e["iteration"] >= since}
         for step, directory, target in checkpoint.list_checkpoints(root) if root else []:
             if target and step >= since and step not in suspect:
                 suspect[step] = {"directory": directory, "iteration": step, "marked": True,
@@ -234,8 +233,7 @@ class CheckpointMarks(Callback):
             self._settle(entry, f"a replica found diverged at step {found_at} may date from step {since}")
 
     def _settle(self, entry: dict, not_certified: Optional[str]) -> None:
-        if entry in self._awaiting:
-            self._awaiting.remove(entry)
+        self.certifier.discard(entry)
         if not_certified is not None:
             entry["healthy"] = False
             entry["fields"] = {**entry["fields"], "certified_at": None, "not_certified": not_certified}
@@ -270,8 +268,8 @@ class CheckpointMarks(Callback):
             directory = checkpoint.checkpoint_dir(root, iteration)
             fields = _marker_fields(directory)
             if "certified_at" in fields and fields["certified_at"] is None and "not_certified" not in fields:
-                self._awaiting.append({"directory": directory, "iteration": iteration, "healthy": True,
-                                       "clean": 0, "marked": True, "fields": fields})
+                self.certifier.add(iteration, {"directory": directory, "iteration": iteration, "healthy": True,
+                                               "marked": True, "fields": fields})
 
     def _save_state(self, directory: str) -> None:
         """This rank's detector baselines and counters beside the checkpoint it belongs to."""

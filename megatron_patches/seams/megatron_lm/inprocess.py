@@ -40,7 +40,7 @@ from ... import collectives, recovery, safe_mode, snapshots
 from ...callbacks import Callback
 from ...cause_response import blames_samples, classify_step, count_device
 from ...decisions import Action, Decision
-from ...incidents import IN_MEMORY, Incident
+from ...incidents import IN_MEMORY, Incident, Outcome
 from ...ledger import Ledger
 from ...protocols import Guard
 from ...recovery import Episode
@@ -50,8 +50,6 @@ from .rollback import Rollback, scale_group_bounds, scale_scheduler_bounds
 from .state import after_restore, install_tapes, live_tensors, restore_values, small_values, snapshot_bytes
 
 log = logging.getLogger("megatron_patches")
-
-"""The consistency detector's kind: data-parallel replicas that should agree bit for bit don't."""
 
 IN_PLACE_FEATURES = ("dropout",)
 """Safe-mode features switched off in the live model; any other one needs a rebuilt model (restart)."""
@@ -99,16 +97,18 @@ class InProcessRollback(Callback):
     replays = False
 
     def __init__(self, monitor: Guard, rollback: Rollback, before_step: Callable[[Any, Any], None],
-                 counters: Optional[LoopCounters] = None):
+                 counters: Optional[LoopCounters] = None, restartable: bool = True):
         """``rollback``: the ledger's side of this process (its exit-and-restart executor, and the
         episode's iterations and samples it collects); ``before_step(optimizer, scheduler)``: what the
         loop integration does before each ``train_step`` (tell the guard the iteration and batch),
-        run again for each redone one; ``counters``: the loop's (Megatron-LM's by default)."""
+        run again for each redone one; ``counters``: the loop's (Megatron-LM's by default);
+        ``restartable``: False without a checkpoint directory (no fall-back to a restart then)."""
         self.monitor = monitor
         self.counters = counters or LoopCounters()
         self.rollback = rollback
         self.restart = rollback.restart
         self.before_step = before_step
+        self.restartable = restartable
         self.config = monitor.state.config.recovery
         self.ledger_path = self.restart.ledger_path
         """Named in the records: a rollback that falls back to a restart has its outcome there."""
@@ -116,16 +116,13 @@ class InProcessRollback(Callback):
                                              self.config.certify_steps)
         self.loop = LiveLoop(self)
         self._tapes: Optional[list] = None
-        self._consumed: dict[int, int] = {}
-        """consumed_train_samples at the start of each taped iteration."""
-        self._call: Optional[tuple] = None
-        """(train_step, its bound arguments) of the call that brought the decision."""
+        self._consumed: dict[int, int] = {}  # consumed_train_samples at the start of each taped iteration
+        self._call: Optional[tuple] = None  # (train_step, its bound arguments) of the call that brought the decision
         self._result: Any = None
         self._iterations = 0  # train_step calls seen (for the snapshots' cost line at exit)
         self.applied_scale = self.restart.ledger.lr_scale
         """The learning-rate scale the live param groups and scheduler carry."""
-        self._expected_bytes: Optional[int] = None
-        """This rank's snapshot size reckoned at start (:meth:`memory_bound`), None if not asked."""
+        self._expected_bytes: Optional[int] = None  # this rank's snapshot size reckoned at start (memory_bound)
         self._suspect_since: Optional[int] = None
         """Rank 0: the earliest step this episode's replica divergence may date from (no target after it)."""
         monitor.add_callback(self)
@@ -234,7 +231,13 @@ class InProcessRollback(Callback):
         return arguments["model"], arguments["optimizer"], arguments[self.counters.scheduler_argument]
 
     def fall_back(self, decision: Decision, why: str) -> NoReturn:
-        """This rollback by a restart instead (exit 84, the ledger's request), after one line."""
+        """This rollback by a restart instead (exit 84, the ledger's request), after one line; a
+        critical stop where there is no checkpoint to restart from."""
+        if not self.restartable:
+            stop = decision.escalated(f"the rollback cannot be made in process ({why}) and there is no checkpoint "
+                                      "to restart from (neither --save nor --load)")
+            self.monitor.resolve(Outcome(decision=stop))
+            self.monitor.exit(stop)
         warn0("rollback at iteration %d made by a restart, not in process: %s", decision.step, why)
         self.monitor.exit(decision)
 

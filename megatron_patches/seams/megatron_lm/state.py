@@ -151,10 +151,9 @@ def _state_tensors_to_come(group: dict) -> int:
 
 def small_values(optimizer: Any, scheduler: Any, monitor: Guard, lr_scale: float) -> dict:
     """Copies of what is not a tensor of the model or optimizer: scheduler, group settings (lr,
-    step), loss scaler, every RNG, the rerun machine's counts, the guard's baselines."""
-    from megatron.core.rerun_state_machine import get_rerun_state_machine
-
-    machine = get_rerun_state_machine()
+    step), loss scaler, every RNG, the rerun machine's counts (where the loop started one), the
+    guard's baselines."""
+    machine = _rerun_machine()
     leaves = _leaves(optimizer)
     return {
         "scheduler": {k: copy.deepcopy(v) for k, v in vars(scheduler).items() if k != "optimizer"},
@@ -163,7 +162,8 @@ def small_values(optimizer: Any, scheduler: Any, monitor: Guard, lr_scale: float
         "scalers": [copy.deepcopy(leaf.grad_scaler.state_dict()) if getattr(leaf, "grad_scaler", None) else None
                     for leaf in leaves],
         "rng": rng.rng_state(),
-        "rerun": {name: copy.deepcopy(getattr(machine, name)) for name in _RERUN_FIELDS if hasattr(machine, name)},
+        "rerun": {name: copy.deepcopy(getattr(machine, name)) for name in _RERUN_FIELDS if hasattr(machine, name)}
+        if machine is not None else {},
         "monitor": copy.deepcopy(monitor.state_dict()),
         "lr_scale": lr_scale,
     }
@@ -171,8 +171,6 @@ def small_values(optimizer: Any, scheduler: Any, monitor: Guard, lr_scale: float
 
 def restore_values(values: dict, optimizer: Any, scheduler: Any, monitor: Guard) -> None:
     """Put :func:`small_values` back (the tensors are :func:`megatron_patches.snapshots.restore`'s)."""
-    from megatron.core.rerun_state_machine import get_rerun_state_machine
-
     vars(scheduler).update(copy.deepcopy(values["scheduler"]))
     for leaf, groups, scaler in zip(_leaves(optimizer), values["groups"], values["scalers"]):
         for group, saved in zip(getattr(getattr(leaf, "optimizer", None), "param_groups", []), groups):
@@ -180,7 +178,15 @@ def restore_values(values: dict, optimizer: Any, scheduler: Any, monitor: Guard)
         if scaler is not None:
             leaf.grad_scaler.load_state_dict(copy.deepcopy(scaler))
     rng.set_rng_state(values["rng"])
-    machine = get_rerun_state_machine()
-    for name, value in values["rerun"].items():
+    machine = _rerun_machine()
+    for name, value in values["rerun"].items() if machine is not None else ():
         setattr(machine, name, copy.deepcopy(value))
     monitor.load_state_dict(copy.deepcopy(values["monitor"]))
+
+
+def _rerun_machine() -> Any:
+    """Megatron's rerun state machine where the loop started one (Megatron-LM's does), else None:
+    asking for it would start one (the tiny-GPT harness has none)."""
+    from megatron.core import rerun_state_machine
+
+    return rerun_state_machine._GLOBAL_RERUN_STATE_MACHINE
