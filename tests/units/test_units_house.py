@@ -17,7 +17,7 @@ from megatron_patches.run_state import RunState
 
 pytestmark = pytest.mark.one_line  # the same on every megatron-core line (conftest)
 
-PACKAGE = Path(__file__).resolve().parent.parent / "megatron_patches"
+PACKAGE = Path(__file__).resolve().parents[2] / "megatron_patches"
 GUARD_NAMES = {"monitor", "_monitor", "guard"}
 """The names the guard goes by where it is handed on (a parameter, ``self.monitor``, the wrappers' pointer)."""
 OUTER = {"apply", "runtime", "hooks", "cli", "__main__", "tiny_gpt", "launch"}

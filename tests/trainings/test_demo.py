@@ -12,7 +12,7 @@ from conftest import assert_trained, run_tiny
 
 pytestmark = [pytest.mark.one_line, pytest.mark.multiproc, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def demo_flags() -> tuple[int, list[str]]:
