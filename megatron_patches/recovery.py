@@ -3,11 +3,10 @@ learning rate and the offending samples blacklisted, within a retry budget.
 
 Two executors share the :class:`~megatron_patches.ledger.Ledger` kept next to the checkpoints:
 
-* in-process (:class:`InProcessRecovery`): for loops that hand over their state through the small
-  :class:`TrainingLoop` protocol (the tiny-GPT harness does), with in-memory snapshots as rollback
-  targets (:class:`~megatron_patches.snapshots.LoopSnapshots`, Megatron-LM's loop has the same), a
-  checkpoint where one is newer. One incident runs as a chain of small steps, each taking its
-  frozen :class:`Episode` and returning a new one;
+* in-process (:class:`InProcessRecovery`): loops handing over their state through the small
+  :class:`TrainingLoop` protocol (the tiny-GPT harness) roll back to in-memory snapshots
+  (:class:`~megatron_patches.snapshots.LoopSnapshots`, as Megatron-LM's loop does) or a newer
+  checkpoint; one incident runs as a chain of small steps, each mapping a frozen :class:`Episode`;
 * exit-and-restart (:class:`ExitAndRestart`): every rank exits with ``response.exit_codes.rollback``
   (84) after rank 0 wrote the ledger; the next start reads it (``Ledger.load``) and resumes.
 
@@ -61,9 +60,7 @@ class TrainingLoop(Protocol):
         """Restore model, optimizer, scheduler, RNG and data position; return the saved step."""
 
     def replay_step(self, step: int) -> dict:
-        """Re-run forward/backward of ``step`` on the same micro-batches from the same RNG state
-        and run the check again (:meth:`~megatron_patches.monitor.GradMonitor.replay_check`: the
-        loop holds the monitor itself, not a ``Guard``); no update. Returns
+        """Re-run ``step``'s forward/backward (same micro-batches and RNG) and its check, no update:
         ``{"flagged": bool, "first": name or None, "bad_samples": [...]}`` (same on all ranks)."""
 
     def set_lr_scale(self, scale: float) -> None:
@@ -256,8 +253,7 @@ class InProcessRecovery:
 
     in_process = True
     replays = True
-    ledger_path: Optional[str] = None
-    """None: its incidents' records carry no ledger (an in-process rollback is recorded with its outcome)."""
+    ledger_path: Optional[str] = None  # records name no ledger: an in-process rollback is in its outcome
 
     def __init__(self, monitor: Guard, loop: TrainingLoop, steps: tuple[RecoveryStep, ...] = IN_PROCESS_STEPS):
         self.monitor = monitor
