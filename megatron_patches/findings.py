@@ -18,6 +18,7 @@ import torch
 from . import incident_text, moe_routing, naming
 from .decisions import Decision
 from .detectors import CheckContext
+from .detectors.loss import spike_text
 from .collectives import local_shard
 from .faults import held_tensors
 from .incidents import Incident, ParamFinding, finite_or_none, first_of
@@ -287,6 +288,9 @@ def assemble(ctx: CheckContext, everyone: list[RankReport], decision: Decision, 
     origin = first_of(held) or first_of(before)
     message = describe(found_kinds[1] if cause is not None and len(found_kinds) > 1 else kind, found,
                        ctx.total_norm, origin=origin, held=bool(held))
+    if "loss_spike" in extra:  # the loss says that a step went wrong; the other signals say where, if they do
+        led = kind == "loss_spike"
+        message = spike_text(extra["loss_spike"], led, message if found or origin or not led else None)
     if cause is not None:
         message = f"{cause.why}: {message}"
     if before:
