@@ -178,7 +178,7 @@ class LossSpikeConfig:
     it, is an incident (kind ``loss_spike``), graded like any other. The loss is the value the
     training loop already reduces: no extra read of the gradients, no extra host read
     (docs/detectors.md, "loss_spike")."""
-    factor: float = field(default=2.0, metadata={"check": check.above_one})
+    factor: float = field(default=1.2, metadata={"check": check.above_one})
     """Flag a loss more than this many times its recent median (e.g. 1.5: 50 % above it)..."""
     zscore: float = field(default=8.0, metadata={"check": check.positive})
     """...and more than this many robust deviations of log(loss) above log(median): a run whose

@@ -74,21 +74,32 @@ def test_the_window_keeps_the_latest_losses_only():
     assert len(baseline.logs) == 5 and baseline.judge(1.0)["median"] == pytest.approx(1.0)
 
 
-def test_the_detector_judges_a_fed_float_and_learns_only_accepted_steps():
+def judge_fed(detector: LossSpike, loss: float, replay: bool = False, accepted: bool = True) -> list:
+    detector.feed(loss)
+    kinds = detector.verdict(ctx(replay), [0.0, 0.0])
+    detector.commit(ctx(replay), accepted=accepted and not kinds)
+    return kinds
+
+
+def test_the_detector_judges_a_fed_float_a_replay_again_and_nothing_unfed():
     detector = LossSpike(LossSpikeConfig(warmup_steps=20, window=50))
-    for loss in noisy(30):
-        detector.feed(loss)
-        assert detector.verdict(ctx(), [0.0, 0.0]) == []
-        detector.commit(ctx(), accepted=True)
-    detector.feed(10.0, local=10.0)
-    assert detector.verdict(ctx(), [0.0, 0.0]) == ["loss_spike"]
-    detector.commit(ctx(), accepted=False)  # skipped: the spike must not become its own baseline
+    assert [judge_fed(detector, loss) for loss in noisy(30)] == [[]] * 30
+    assert judge_fed(detector, 10.0, replay=True) == ["loss_spike"]  # a replay sees it, and does not add it
     assert len(detector.baseline.logs) == 30
-    detector.feed(10.0)
-    assert detector.verdict(ctx(replay=True), [0.0, 0.0]) == ["loss_spike"]  # a replay sees it again
-    detector.commit(ctx(replay=True), accepted=False)
-    assert len(detector.baseline.logs) == 30
+    assert judge_fed(detector, 10.0) == ["loss_spike"]
+    assert len(detector.baseline.logs) == 31
     assert detector.verdict(ctx(), [0.0, 0.0]) == []  # nothing fed: nothing judged
+
+
+def test_one_spike_leaves_the_median_where_it_was_and_a_lasting_shift_is_absorbed():
+    """Flagged losses join the window: the median ignores a spike (the next one is flagged as the
+    first was), and a new level of loss stops being flagged within window / 2 steps."""
+    detector = LossSpike(LossSpikeConfig(warmup_steps=20, window=40))
+    for loss in noisy(40):
+        judge_fed(detector, loss)
+    assert judge_fed(detector, 10.0) == judge_fed(detector, 10.0) == ["loss_spike"]
+    shifted = [judge_fed(detector, loss) for loss in noisy(40, level=8.0, seed=1)]
+    assert shifted[0] == ["loss_spike"] and shifted[-1] == [] and sum(map(bool, shifted)) <= 20
 
 
 @pytest.mark.parametrize("pairs", [True, False], ids=["sum-and-count", "micro-batch-means"])

@@ -16,10 +16,14 @@ It reaches the guard in one of two ways, and neither adds a pass over the gradie
 The judgement, on the host and alike on every rank (:class:`Baseline`): in log space, the median
 of the last ``window`` accepted losses and their median absolute deviation (MAD). A loss is a spike
 when it is more than ``factor`` times the median *and* more than ``zscore`` robust deviations
-(1.4826 x MAD) above it. No verdict before ``warmup_steps`` accepted losses; a step skipped or rolled
-back leaves the baseline alone, so a spike never becomes its own baseline. Non-finite and
-non-positive losses are not judged here (non-finite gradients are the NaN/Inf check's). The window
-travels in checkpoints (``state_dict``), so a restart judges its first step.
+(1.4826 x MAD) above it: the factor is the smallest jump that counts in a steady run, the deviations
+keep a run whose loss swings from step to step from firing on its own noise. No verdict before
+``warmup_steps`` losses. Every checked step's loss joins the window, a flagged one too: one spike
+moves a median of ``window`` values by one rank at most, while a lasting change of level (a new
+data mix) becomes the median within ``window / 2`` steps instead of being flagged forever. A
+replay's loss does not join (its step was counted already). Non-finite and non-positive losses are
+neither judged nor kept (non-finite gradients are the NaN/Inf check's). The window travels in
+checkpoints (``state_dict``), so a restart judges its first step.
 
 The loss says *that* a step went wrong, not where: the incident names what the other signals say
 (gradients, held state, the ranks' own losses, gathered on the slow path), and says so when none
@@ -75,7 +79,7 @@ class Baseline:
         return {"spike": spike, "ratio": math.exp(rise), "z": rise / sd, "median": math.exp(centre), "sd": sd}
 
     def add(self, loss: float) -> None:
-        """An accepted step's loss joins the window (non-finite and non-positive ones do not)."""
+        """A step's loss joins the window (non-finite and non-positive ones do not)."""
         if math.isfinite(loss) and loss > 0:
             self.logs.append(math.log(loss))
 
@@ -129,7 +133,7 @@ class LossSpike(Detector):
         return ["loss_spike"] if self._judged is not None and self._judged["spike"] else []
 
     def commit(self, ctx: CheckContext, accepted: bool) -> None:
-        if accepted and not ctx.replay:
+        if not ctx.replay:  # skipped or not: the median shrugs off a spike, and absorbs a lasting shift
             self.baseline.add(self._loss)
         self._value = self._local = self._tensors = None
         self._loss, self._judged = math.nan, None
