@@ -199,17 +199,20 @@ def above_the_others(losses: dict, factor: float) -> list:
 
 
 def _pair(losses: Optional[list]) -> Optional[torch.Tensor]:
-    """(sum, count) of the fed loss tensors as one float32 tensor of two, or None without any."""
+    """(sum, count) of the fed loss tensors as one float32 tensor of two, or None without any. A few
+    kernels whatever the number of micro-batches (a stack, a sum; a fill and a stack for means), as
+    Megatron-LM's own reduction of the same tensors after the update; no copy from the host."""
     if not losses or not isinstance(losses[0], dict) or not losses[0]:
         return None
     key = _KEY if _KEY in losses[0] else next(iter(losses[0]))
     values = [d.get(key) for d in losses]
-    if not all(torch.is_tensor(v) and v.numel() == values[0].numel() in (1, 2) for v in values):
+    if not all(torch.is_tensor(v) for v in values) or values[0].numel() not in (1, 2) \
+            or any(v.shape != values[0].shape for v in values):
         return None  # not a loss this detector knows how to read: nothing judged
-    values = [v.detach().reshape(-1).float() for v in values]
-    if values[0].numel() == 2:  # (sum, count) per micro-batch
-        return torch.stack(values).sum(dim=0)
-    return torch.stack([torch.stack(values).sum(), torch.tensor(float(len(values)), device=values[0].device)])
+    rows = torch.stack(values).detach().reshape(len(values), -1).float()
+    if rows.shape[1] == 2:  # (sum, count) per micro-batch
+        return rows.sum(dim=0)
+    return torch.stack((rows.sum(), torch.full_like(rows[0, 0], float(len(values)))))  # a mean per micro-batch
 
 
 def _own(losses: Optional[list]) -> Optional[float]:
