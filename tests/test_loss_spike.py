@@ -103,3 +103,26 @@ def test_megatron_lms_loop_finds_the_spike_from_the_schedules_loss_tensors(tmp_p
 def _dir(path):
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@pytest.mark.multiproc
+@pytest.mark.one_line
+def test_one_replicas_spike_is_named_by_the_ranks_own_losses(tmp_path):
+    """DP2 on real text: the logits of rank 1 alone go noisy at step 60 (noise 3x their size; the loss
+    still falls fast there, and its history is wide); the job's loss (the mean of the two) spikes, and
+    two signals name rank 1: the ranks' own losses, and its own gradients far above their running mean
+    before the reduction (the origin, as for any finite fault that one replica alone shows)."""
+    step = 60
+    drill = f"noise:step={step},phase=forward,module=output_layer,factor=3.0,scope=all,rank=1"
+    run = run_tiny(tmp_path / "out", "--steps", str(step + 1), "--seed", "3", "--precision", "bf16", *TEXT_DATA,
+                   "--inject", drill, "--config", detectors_config(tmp_path), nproc=2)
+    assert run.returncode == 0, run.output[-4000:]
+    (incident,) = run.incidents
+    assert (incident["step"], incident["kinds"], incident["action"]) == (step, ["loss_spike"], "skip_step")
+    spike = incident["loss_spike"]
+    losses = spike["rank_losses"]
+    assert set(losses) == {"0", "1"} and losses["1"] > 2 * losses["0"]
+    assert spike["loss"] == pytest.approx((losses["0"] + losses["1"]) / 2, rel=1e-6)
+    assert spike["ranks_above"] == [1] and incident["origin_ranks"] == [1]
+    assert "gradient far above its running mean first at" in incident["message"]
+    assert "; rank(s) [1] alone stood above the other ranks' losses" in incident["message"]
