@@ -18,13 +18,15 @@ from typing import Any, Literal, Optional
 
 from . import config_checks as check
 from .config_detectors import (ActivationsConfig, AuditConfig, ConsistencyConfig, DetectorsConfig, HistoryConfig,
-                               LossScaleConfig, MagnitudeConfig, NonFiniteConfig, PeakConfig, PeersConfig, TokensConfig)
+                               LossScaleConfig, LossSpikeConfig, MagnitudeConfig, NonFiniteConfig, PeakConfig,
+                               PeersConfig, TokensConfig)
 from .config_load import ENV_VAR, build, config_path, read_config_file, redact_url, redacted
 from .errors import ConfigError
 
 __all__ = [
     "ENV_VAR", "ActivationsConfig", "AlertsConfig", "AuditConfig", "Config", "ConsistencyConfig", "DetectorsConfig",
-    "HistoryConfig", "LossScaleConfig", "MagnitudeConfig", "NonFiniteConfig", "PeakConfig", "PeersConfig",
+    "HistoryConfig", "LossScaleConfig", "LossSpikeConfig", "MagnitudeConfig", "NonFiniteConfig", "PeakConfig",
+    "PeersConfig",
     "RecoveryConfig", "ResponseConfig", "SceneConfig", "TokensConfig", "WebhookConfig", "config_path",
     "load_config", "read_config_file", "redact_url", "redacted",
 ]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from . import config_checks as check
+from .errors import ConfigError
 
 @dataclass(frozen=True, kw_only=True)
 class NonFiniteConfig:
@@ -169,6 +170,31 @@ class TokensConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LossSpikeConfig:
+    enabled: bool = True
+    """Judge each checked step's training loss against the loss's own recent history: a loss more
+    than ``factor`` times the median of the last ``window`` accepted losses, and more than
+    ``zscore`` robust deviations (1.4826 x the median absolute deviation of their logarithms) above
+    it, is an incident (kind ``loss_spike``), graded like any other. The loss is the value the
+    training loop already reduces: no extra read of the gradients, no extra host read
+    (docs/detectors.md, "loss_spike")."""
+    factor: float = field(default=1.2, metadata={"check": check.above_one})
+    """Flag a loss more than this many times its recent median (e.g. 1.5: 50 % above it)..."""
+    zscore: float = field(default=8.0, metadata={"check": check.positive})
+    """...and more than this many robust deviations of log(loss) above log(median): a run whose
+    loss is noisy from step to step needs a larger jump than a steady one."""
+    window: int = field(default=100, metadata={"check": check.at_least_one})
+    """Accepted losses kept for the median (the most recent ones)."""
+    warmup_steps: int = field(default=20, metadata={"check": check.at_least_one})
+    """Accepted losses needed before a step is judged (a restored baseline counts); at most ``window``."""
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps > self.window:
+            raise ConfigError(f"`detectors.loss_spike.warmup_steps` must be <= `detectors.loss_spike.window` "
+                              f"({self.window}), got {self.warmup_steps}: lower warmup_steps or raise window")
+
+
+@dataclass(frozen=True, kw_only=True)
 class DetectorsConfig:
     nonfinite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
     """NaN/Inf check."""
@@ -190,3 +216,5 @@ class DetectorsConfig:
     """Each watched module's output against its own history (docs/detectors.md)."""
     tokens: TokensConfig = field(default_factory=TokensConfig)
     """Token ids outside the vocabulary, counted where they enter the model (docs/detectors.md)."""
+    loss_spike: LossSpikeConfig = field(default_factory=LossSpikeConfig)
+    """The training loss against its own recent median (docs/detectors.md)."""

@@ -237,8 +237,12 @@ def assemble(ctx: CheckContext, everyone: list[RankReport], decision: Decision, 
     if not before and decision.origins:  # a finite fault named where it entered (origins_of)
         before = [f for report in everyone if report.rank in decision.origins for f in report.jumped]
     origin = first_of(held) or first_of(before)
-    message = describe(found_kinds[1] if cause is not None and len(found_kinds) > 1 else kind, found,
+    named = "gradient far above its running mean" if kind == "loss_spike" else kind  # the loss names no tensor
+    message = describe(found_kinds[1] if cause is not None and len(found_kinds) > 1 else named, found,
                        ctx.total_norm, origin=origin, held=bool(held))
+    if "loss_spike" in extra:  # the loss says that a step went wrong; the other signals say where, if they do
+        led = kind == "loss_spike"
+        message = incident_text.spike_text(extra["loss_spike"], led, message if found or origin or not led else None)
     if cause is not None:
         message = f"{cause.why}: {message}"
     if before:

@@ -285,3 +285,24 @@ def one_line(record: dict) -> str:
         if str(first.get("name")) not in str(record.get("message")):
             where = f" (first: {first.get('name')} on rank {ranks.get('global', '?')})"
     return f"{headline(record)}{where}; action {record.get('action')}"
+
+
+def spike_text(field: dict, led: bool, named: Optional[str]) -> str:
+    """An incident's message where the loss spiked (``field``: the record's ``loss_spike``).
+    ``led``: the spike is the incident's leading kind; ``named``: what the other signals named
+    (the message :func:`~megatron_patches.decide.describe` made of them), None where nothing did."""
+    why = field["why"]
+    if not led:
+        return f"{named}; {why}"
+    above = field.get("ranks_above") or []
+    ranks = field.get("rank_losses") or {}
+    if above:
+        where = f"rank(s) {above} alone stood above the other ranks' losses"
+    elif len(set(ranks.values())) > 1:
+        where = "the ranks' own losses rose together"
+    else:
+        where = ""
+    if named is not None:
+        return f"{why}; {named}" + (f"; {where}" if where else "")
+    return (f"{why}; nothing else points anywhere: no gradient, held weight or optimizer state was flagged"
+            + (f", and {where}" if where else ""))

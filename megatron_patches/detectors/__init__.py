@@ -21,6 +21,7 @@ from .audit import StateAudit
 from .base import CheckContext, Detector, Rotation
 from .consistency import ConsistencyDetector
 from .history import HistoryDetector
+from .loss import LossSpike
 from .peak import PeakDetector
 from .peers import PeersDetector
 from .tokens import TokenRange
@@ -50,4 +51,6 @@ def build(config: Any, parallel_state: Callable[[], Any], step_of: Callable[[], 
         detectors.append(ActivationRange(settings.activations, step_of, checked))
     if settings.tokens.enabled:
         detectors.append(TokenRange(settings.tokens, step_of))
+    if settings.loss_spike.enabled:
+        detectors.append(LossSpike(settings.loss_spike))
     return detectors

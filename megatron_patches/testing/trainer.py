@@ -19,6 +19,7 @@ import torch
 
 from .. import safe_mode
 from ..collectives import all_gather_floats
+from ..detectors.loss import feed_loss
 from ..errors import UserError
 from .build import build_corpus, build_model, build_optimizer
 from .data import Sampler
@@ -144,7 +145,10 @@ class TinyTrainer:
             num_microbatches=a.micro_batches, seq_length=a.seq, micro_batch_size=a.micro_batch_size,
             forward_only=False)
         bad = [i for mb, d in zip(microbatches, losses) for i in mb if not math.isfinite(float(d["lm loss"]))]
-        return {"loss": self._mean_loss(losses), "bad_samples": bad}
+        loss, own = self._mean_loss(losses)
+        if self.monitor is not None:  # judged at this step's check, before the update (detectors.loss_spike)
+            feed_loss(self.monitor.state.detectors, loss, local=own)
+        return {"loss": loss, "bad_samples": bad}
 
     # --- what InProcessRecovery needs (megatron_patches.recovery.TrainingLoop) -----------
 
@@ -232,14 +236,15 @@ class TinyTrainer:
         if healthy and self.certification is not None:
             self.certification.awaiting(step, path)
 
-    def _mean_loss(self, losses: list[dict]) -> float:
+    def _mean_loss(self, losses: list[dict]) -> tuple[float, Optional[float]]:
         """Mean loss over the last pipeline stage's ranks, known on every rank (float32 tensors on
-        the wire: :func:`~.collectives.all_gather_floats`; summed in rank order, the same everywhere)."""
+        the wire: :func:`~.collectives.all_gather_floats`; summed in rank order, the same everywhere),
+        and this rank's own mean (None on a stage without a loss)."""
         mean = sum(float(d["lm loss"]) for d in losses) / len(losses) if losses else 0.0
         every = all_gather_floats([mean, 1.0 if losses else 0.0], self._collective)
         loss_sum = sum(m for m, _ in every)
         count = sum(c for _, c in every)
-        return loss_sum / count if count > 0 else float("nan")
+        return (loss_sum / count if count > 0 else float("nan")), (mean if losses else None)
 
     # --- loop ----------------------------------------------------------------------------
 
