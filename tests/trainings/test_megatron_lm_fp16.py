@@ -48,7 +48,7 @@ def test_fp16_persistent_nan_collapses_the_scale_and_is_named_with_its_origin(lo
     env = guard_env(tmp_path, inject=[f"nan:step=30,count=100,rank=1,phase=local,param={FC1}"])
     proc = loop.run(env, "--fp16", "--use-distributed-optimizer", "--train-iters", "80")
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 84, output[-4000:]  # rollback asked, no checkpoint to use
+    assert proc.returncode == 0, output[-4000:]  # rolled back in memory: no checkpoint needed (issue 60)
     found = incidents(tmp_path)
     assert [i["kind"] for i in found] == ["loss_scale"] * len(found) and len(found) >= 2, found
     assert all(i["first"]["name"] == FC1 and i["origin_ranks"] == [1] for i in found)
