@@ -422,6 +422,17 @@ def megatron_globals():
         distributed.destroy_process_group()
 
 
+@pytest.fixture(autouse=True)
+def guard_logger():
+    """The guard's logger as it was before each test: ``runtime.install()`` gives it a handler of its
+    own and stops its propagation (so caplog, on the root logger, sees nothing of a later test)."""
+    logger = logging.getLogger("megatron_patches")
+    handlers, propagate, level = list(logger.handlers), logger.propagate, logger.level
+    yield
+    logger.handlers[:] = handlers
+    logger.propagate, logger.level = propagate, level
+
+
 # --- one shuffled order (issue 60 item 4) ------------------------------------------------------------
 # MEGATRON_PATCHES_TEST_SEED=<integer> (or "random", which draws one) runs the modules in a shuffled
 # order and each module's tests in a shuffled order within it (a module's fixtures are still made
