@@ -54,10 +54,15 @@ def reported(record: dict) -> Optional[str]:
 def names_target(cell: cc.Cell, record: dict) -> bool:
     """Strict: the exact parameter; the exact module for a forward fault; for an input fault the
     embedding module or its weight (where the corrupted ids enter). A module or layer is not a name."""
-    first = (record.get("first") or {}).get("name")
+    first_finding = record.get("first") or {}
+    first = first_finding.get("name")
     module = (record.get("forward_origin") or {}).get("module")
     if cell.target == "forward":
-        return module == cc.MODULE
+        # The forward origin's module, or the activations detector's finding, which names the module
+        # whose output it flagged (``activation:*`` reasons) where no forward origin was taken.
+        by_activation = first == cc.MODULE and any(str(r).startswith("activation:")
+                                                    for r in first_finding.get("reasons") or ())
+        return module == cc.MODULE or (module is None and by_activation)
     if cell.target == "input":
         return module == cc.EMBEDDING or (module is None and first == f"{cc.EMBEDDING}.weight")
     return first == cc.PARAM and module in (None, cc.PARAM.rsplit(".", 1)[0])  # the name, its module besides

@@ -49,6 +49,14 @@ def test_strict_localization_wants_the_exact_parameter_and_the_exact_rank_set():
     assert cs.localized(FORWARD, _record(name="x", ranks=(1,), module=cc.MODULE))
     assert not cs.localized(FORWARD, _record(name=cc.PARAM, ranks=(1,)))
     assert not cs.localized(FORWARD, _record(name="x", ranks=(0, 1), module=cc.MODULE))
+    # The activations detector names the module in the finding itself, with its activation reasons.
+    flagged = _record(name=cc.MODULE, ranks=(1,))
+    flagged["first"]["reasons"] = ["activation:rms"]
+    assert cs.localized(FORWARD, flagged)
+    flagged["first"]["reasons"] = ["zscore"]  # the same name from a gradient detector: not a forward name
+    assert not cs.localized(FORWARD, flagged)
+    flagged["first"].update(name="decoder.layers.1", reasons=["activation:rms"])  # its layer: not the module
+    assert not cs.localized(FORWARD, flagged)
 
 
 def test_a_finished_run_still_carrying_an_inf_or_off_its_twin_is_not_recovered():
