@@ -46,12 +46,11 @@ from ..protocols import Guard
 from ..recovery import Episode
 from . import start_line
 from .megatron_lm_checkpoints import DIVERGED, diverged_since, newest_healthy_iteration, warn0
+from .megatron_lm_poison import reading
 from .megatron_lm_rollback import Rollback, scale_group_bounds, scale_scheduler_bounds
 from .megatron_lm_state import after_restore, install_tapes, live_tensors, restore_values, small_values, snapshot_bytes
 
 log = logging.getLogger("megatron_patches")
-
-"""The consistency detector's kind: data-parallel replicas that should agree bit for bit don't."""
 
 IN_PLACE_FEATURES = ("dropout",)
 """Safe-mode features switched off in the live model; any other one needs a rebuilt model (restart)."""
@@ -312,12 +311,15 @@ def _why_not_in_process(rebuilt: list, taped: bool, target: Optional[int], since
 
 
 def skip_iterations(run: InProcessRollback, episode: Episode) -> Episode:
-    """Under ``blacklist: always`` the redo leaves out every iteration of the episode (where its cause
-    is data or unknown: a hardware, numerics or software cause leaves the samples in)."""
-    if not episode.rolls_back or run.config.blacklist != "always" or not blames_samples(episode):
+    """The redo leaves out every iteration that read a sample the ledger blacklists and, under
+    ``blacklist: always``, every iteration of the episode (where its cause is data or unknown: a
+    hardware, numerics or software cause leaves the samples in)."""
+    if not episode.rolls_back:
         return episode
-    skipped = tuple(sorted(set(run.rollback.episode_steps)))
-    return replace(episode, outcome=replace(episode.outcome, iterations_skipped=skipped))
+    skipped = set(reading(run._consumed, run.ledger.blacklist, range(episode.resume_at, episode.step + 1)))
+    if run.config.blacklist == "always" and blames_samples(episode):
+        skipped |= set(run.rollback.episode_steps)
+    return replace(episode, outcome=replace(episode.outcome, iterations_skipped=tuple(sorted(skipped))))
 
 
 def restore_snapshot(run: InProcessRollback, episode: Episode) -> Episode:
