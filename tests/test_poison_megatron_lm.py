@@ -4,7 +4,8 @@ guard's forward replay of the skipped step finds the loss of that row, and only 
 again, so the cause is ``data`` and that sample is blacklisted in the ledger; a later in-process
 rollback's redo leaves out the iteration that read it, so the training goes on without meeting it
 again. Negative controls: a gradient NaN that the forward replay does not reproduce blames no sample;
-a loop whose sample positions the guard does not know refuses the drill at the first step.
+a NaN written into a rank's Adam state, which the replay reproduces too, is hardware and blames no
+sample; a loop whose sample positions the guard does not know refuses the drill at the first step.
 
 Ranks are forked from pytest (conftest.run_packaged_loop), two data-parallel ranks, fp32.
 """
@@ -103,6 +104,25 @@ def test_a_gradient_nan_the_forward_replay_does_not_reproduce_blames_no_sample(t
     assert (record["step"], record["action"]) == (5, "skip_step")
     assert record["replay"] is None and record["cause"]["class"] != "data" and record["blacklisted"] == []
     assert run["ledger"].blacklist == []
+
+
+def test_a_nan_written_into_adam_state_is_hardware_though_the_replay_reproduces_it_and_blames_no_sample(tmp_path):
+    """Issue 57's other item through the same replay: a NaN written into rank 0's exp_avg_sq at
+    iteration 3 (bf16, distributed optimizer) makes the next forward pass NaN on every row, so the
+    replay reproduces it; the corrupt held state decides: hardware, no sample blacklisted, and the
+    rollback in process leaves no iteration out."""
+    run = train(tmp_path, f"nan:step=3,phase=state,slot=exp_avg_sq,param={FC1},rank=0", iters=8,
+                flags=(OWN_CHECK_OFF, "--bf16", "--use-distributed-optimizer"))
+    assert run["code"] == 0, run["output"][-6000:]
+    skip, rollback = run["incidents"]
+    assert (skip["step"], skip["action"], rollback["step"], rollback["action"]) == (4, "skip_step", 5, "rollback")
+    assert skip["replay"] == {"verdict": "deterministic", "narrowed": False}
+    for record in (skip, rollback):
+        assert (record["cause"]["class"], record["cause"]["confidence"]) == ("hardware", "high"), record["cause"]
+        assert record["blacklisted"] == [] and "iterations_skipped" not in record
+    assert rollback["rolled_back_to"] == 2
+    assert run["ledger"].blacklist == [] and [e["step"] for e in run["ledger"].hardware] == [5]
+    assert all(math.isfinite(float(run["losses"][i])) for i in range(1, 9))
 
 
 def test_a_poison_drill_is_refused_at_start_where_the_loop_tells_no_sample_positions(tmp_path):
