@@ -133,8 +133,9 @@ class GradMonitor:
         if poison and not run.drills.poison_asked:  # the same on every rank: the loop's code, not its data
             if self.rank == 0:
                 log.error("drill(s) %s cannot act: this training loop feeds no poisoned sample (the tiny-GPT harness "
-                          "does; Megatron-LM's loop does not); rehearse a bad batch with an input drill instead, e.g. "
-                          "bitflip:step=3,phase=input,module=embedding.word_embeddings,bit=30", ", ".join(map(repr, poison)))
+                          "does, and Megatron-LM's loop with --dataloader-type single); rehearse a bad batch with an "
+                          "input drill instead, e.g. bitflip:step=3,phase=input,module=embedding.word_embeddings,bit=30",
+                          ", ".join(map(repr, poison)))
             exit_refused(self.rank)
         inject.refuse_unmatched(run.drills, run.model_chunks.chunks_for(optimizer), self.rank,
                                 run.seams.current_grads(optimizer, run.stage.entries_for(optimizer)),

@@ -64,22 +64,6 @@ def test_a_device_whose_adam_state_goes_bad_twice_is_fenced_across_a_restart_wit
 
 
 @pytest.mark.multiproc
-def test_a_poison_drill_megatron_lms_loop_cannot_feed_is_refused_at_start_with_one_line(loop_kind, request, tmp_path):
-    """Megatron-LM's loop asks the guard for no poisoned sample, so ``poison:sample=10`` would train every
-    iteration with no record and no word (measured on the packaged 0.19.2, DP2): the first step refuses it,
-    one line on rank 0 naming the drill and what to use instead, exit 2, no iteration done."""
-    loop = make_loop(loop_kind, request, tmp_path, only="pretrain")
-    proc = loop.run(guard_env(tmp_path, inject=["poison:sample=10"]))
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 2, output[-4000:]
-    lines = [line for line in output.splitlines() if "cannot act" in line]
-    assert lines == ["[megatron_patches] drill(s) 'poison:sample=10' cannot act: this training loop feeds no poisoned "
-                     "sample (the tiny-GPT harness does; Megatron-LM's loop does not); rehearse a bad batch with an "
-                     "input drill instead, e.g. bitflip:step=3,phase=input,module=embedding.word_embeddings,bit=30"], lines
-    assert "Traceback" not in output and iterations(output) == {} and incidents(tmp_path) == []
-
-
-@pytest.mark.multiproc
 def test_a_misspelled_config_key_is_one_line_and_exit_2_on_every_rank(loop_kind, request, tmp_path):
     """At a thousand ranks a traceback per rank buries the cause, and a restarting launcher would
     retry input that never changes: one line on rank 0, every worker exits 2, nothing trains."""

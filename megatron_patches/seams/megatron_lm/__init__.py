@@ -49,7 +49,7 @@ import logging
 import math
 from typing import Any, Optional
 
-from ... import collectives
+from ... import collectives, recovery
 from ...callbacks import Callback, attached
 from ...errors import UserError, exit_refused
 from ...detectors.loss import feed_loss
@@ -58,6 +58,7 @@ from .. import start_line, wrappers
 from ..mindspeed import llm as mindspeed_llm
 from .checkpoints import STATE_DIR, TRACKER_FILE, CheckpointMarks, newest_healthy_iteration, read_tracker, saved_lr_scale, state_file, warn0, write_marker
 from .inprocess import InProcessRollback
+from .poison import PoisonFeed
 from .replay import ForwardReplay, replays_here
 from .rollback import Rollback, built_model_facts, core_version, skip_iterations, switch_off_for_retry, to_iterations_to_skip
 
@@ -91,6 +92,10 @@ class MegatronLMSession(Callback):
         """Snapshots and in-process rollbacks (``recovery.mode: in_process``)."""
         self._first_step = True
         self._checked_before = 0
+        self.positions: tuple = ()
+        """The dataset positions this rank reads in the iteration running (empty where unknown)."""
+        self.poison: Optional[PoisonFeed] = None
+        """Feeds ``poison:sample=I`` drills through the embedding (:mod:`.poison`)."""
 
     @property
     def restart(self) -> Optional[Any]:
@@ -144,16 +149,29 @@ class MegatronLMSession(Callback):
         if self._first_step:
             self._first_step = False
             self.marks.after_load(args.load, int(args.iteration))
+            self.poison = PoisonFeed(self.monitor, int(args.micro_batch_size))
             if replays_here(args):
-                self.replay = ForwardReplay(self.monitor)
+                self.replay = ForwardReplay(self.monitor, self.blacklist)
             if self.rollback is not None:
                 self.rollback.after_load(args, optimizer, scheduler)
         if skipped:
             return
         self.monitor.set_step(iteration)
-        self.monitor.set_batch(_sample_positions(args), iteration=iteration,
+        self.positions = tuple(_sample_positions(args))
+        self.monitor.set_batch(list(self.positions), iteration=iteration,
                                consumed_train_samples=int(args.consumed_train_samples))
+        self.poison.before_iteration(list(self.positions))
         self._checked_before = self.monitor.state.counters["checked_steps"]
+
+    def blacklist(self, samples: list) -> None:
+        """Every rank: samples a data cause blames, into the ledger (rank 0 saves it); an in-process
+        rollback's redo then leaves out the iterations that read them."""
+        if self.restart is None:
+            warn0("samples %s blamed for a fault; no --save/--load, so no ledger keeps them", samples)
+            return
+        ledger = self.restart.ledger
+        ledger.blacklist = sorted(set(ledger.blacklist) | set(samples))
+        recovery.save_in_process(ledger, self.restart.checkpoint_root, collectives.rank())
 
     def megatron_exits(self, code: int, state: str) -> None:
         """Megatron's rerun machine ends the job itself with ``code`` (16: resume from the
@@ -321,7 +339,7 @@ def train_step_wrapper(wrapped, instance, args, kwargs):
     result = wrapped(*bound.args, **bound.kwargs)
     current.after_step()
     if current.replay is not None and current.replay.pending is not None:
-        current.replay.run(bound.arguments)  # a step the guard skipped: where its forward pass broke
+        current.replay.run(bound.arguments, current.positions)  # a step the guard skipped: where its forward pass broke
     if current.in_process is not None:  # a snapshot, or a rollback made here: the redone iteration's result
         result = current.in_process.after_iteration(iteration, wrapped, bound, result)
     return result

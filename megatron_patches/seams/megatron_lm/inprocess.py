@@ -1,11 +1,10 @@
 """A rollback in Megatron-LM's loop without leaving the processes (``recovery.mode: in_process``).
 
-Megatron's ``train()`` keeps its iteration count and data iterator in local variables, so the
-loop itself cannot be moved back. The rollback happens inside the ``train_step`` call that
-brought the decision instead: every rank restores the newest certified in-memory snapshot
-(:mod:`megatron_patches.snapshots`), then runs Megatron's own ``train_step`` again for each
-iteration since, on the very batches those iterations read (:class:`BatchTape`), and hands
-``train()`` the result of the last one. ``train()`` goes on with the next iteration from its own
+Megatron's ``train()`` keeps its iteration count and data iterator in local variables, so the loop
+itself cannot be moved back. The rollback happens inside the ``train_step`` call that brought the
+decision instead: every rank restores the newest certified in-memory snapshot (:mod:`megatron_patches.snapshots`),
+runs Megatron's own ``train_step`` again for each iteration since, on the very batches those iterations
+read (:class:`BatchTape`), and hands ``train()`` the last one's result; ``train()`` goes on from its own
 iterator, which stands where an uninterrupted run's would. Protocol, per rank::
 
     every iteration        tape the batches the iteration reads; after it, a snapshot every
@@ -20,8 +19,7 @@ iterator, which stands where an uninterrupted run's would. Protocol, per rank::
     redo                   iterations snapshot+1 .. decision, each from its taped batches
                            (blacklisted ones left out); a new rollback or stop there -> restart
 
-Only this module knows Megatron-LM's arguments and classes; the chain's steps are
-:mod:`megatron_patches.recovery`'s.
+Only this module knows Megatron-LM's arguments and classes; the chain's steps are :mod:`megatron_patches.recovery`'s.
 """
 
 from __future__ import annotations
@@ -46,6 +44,7 @@ from ...protocols import Guard
 from ...recovery import Episode
 from .. import start_line
 from .checkpoints import DIVERGED, diverged_since, newest_healthy_iteration, warn0
+from .poison import reading
 from .rollback import Rollback, scale_group_bounds, scale_scheduler_bounds
 from .state import after_restore, install_tapes, live_tensors, restore_values, small_values, snapshot_bytes
 
@@ -58,9 +57,8 @@ IN_PLACE_FEATURES = ("dropout",)
 
 
 class LoopCounters:
-    """Where a loop keeps the counters a redo moves back and restores, and the names of its
-    ``train_step``'s arguments: Megatron-LM's (its args) here; Megatron-Bridge's loop subclasses it
-    (:mod:`.megatron_bridge`), the protocol is the same."""
+    """Where a loop keeps the counters a redo moves back and restores, and its ``train_step``'s argument
+    names: Megatron-LM's (its args) here; Megatron-Bridge's loop subclasses it (:mod:`..megatron_bridge`)."""
 
     scheduler_argument = "opt_param_scheduler"
     """The name of ``train_step``'s learning-rate scheduler argument."""
@@ -315,12 +313,14 @@ def _why_not_in_process(rebuilt: list, taped: bool, target: Optional[int], since
 
 
 def skip_iterations(run: InProcessRollback, episode: Episode) -> Episode:
-    """Under ``blacklist: always`` the redo leaves out every iteration of the episode (where its cause
-    is data or unknown: a hardware, numerics or software cause leaves the samples in)."""
-    if not episode.rolls_back or run.config.blacklist != "always" or not blames_samples(episode):
+    """The redo leaves out each iteration that read a blacklisted sample and, under ``blacklist: always``, each
+    of the episode where its cause is data or unknown (hardware, numerics or software leave the samples in)."""
+    if not episode.rolls_back:
         return episode
-    skipped = tuple(sorted(set(run.rollback.episode_steps)))
-    return replace(episode, outcome=replace(episode.outcome, iterations_skipped=skipped))
+    skipped = set(reading(run._consumed, run.ledger.blacklist, range(episode.resume_at, episode.step + 1)))
+    if run.config.blacklist == "always" and blames_samples(episode):
+        skipped |= set(run.rollback.episode_steps)
+    return replace(episode, outcome=replace(episode.outcome, iterations_skipped=tuple(sorted(skipped))))
 
 
 def restore_snapshot(run: InProcessRollback, episode: Episode) -> Episode:
