@@ -233,7 +233,9 @@ def describe(kind: str, findings: list[ParamFinding], total_norm: float,
     if held and origin is not None:
         state = " and ".join(r.split(":", 1)[1] for r in origin.reasons if r.startswith("held:"))
         altered = " and ".join(r.split(":", 1)[1] for r in origin.reasons if r.startswith("altered:"))
+        off = " and ".join(r.split(":", 1)[1] for r in origin.reasons if r.startswith("off:"))
         what = (f"{altered} altered between two updates" if altered
+                else f"{off} far above its previous check" if off and not state
                 else f"non-finite {state}" if origin.nan or origin.inf else f"{state} beyond 2^100")
     if origin is not None:
         head = (f"{what} first at {origin.name} (layer {origin.layer}{_expert_note(origin)}, rank {origin.ranks['global']}, "
@@ -291,7 +293,7 @@ def assemble(ctx: CheckContext, everyone: list[RankReport], decision: Decision, 
         message = f"{cause.why}: {message}"
     if before:
         extra["pre_reduction"] = [f.as_record() for f in before]
-    for key, prefix in (("held_nonfinite", "held:"), ("held_altered", "altered:")):
+    for key, prefix in (("held_nonfinite", "held:"), ("held_altered", "altered:"), ("held_off", "off:")):
         mine = [f.as_record() for f in held if any(r.startswith(prefix) for r in f.reasons)]
         if mine:
             extra[key] = mine

@@ -76,7 +76,7 @@ def signs_of(step: int, reports: list[RankReport], origins: list[int], replicas:
                         if seen.get(rank) is not None)
     return Signs(step=step, first_checked=facts.clean_before == 0,
                  held_ranks=ranks_with("held:"), held_extreme_only=bool(held) and not any(f.nan or f.inf for f in held),
-                 altered_ranks=ranks_with("altered:"), fed_ranks=ranks_with("input:"), origin_ranks=tuple(origins),
+                 off_ranks=ranks_with("off:"), altered_ranks=ranks_with("altered:"), fed_ranks=ranks_with("input:"), origin_ranks=tuple(origins),
                  origin_replicas=replicas, replicas=max(1, facts.world.get("dp", 1) * facts.world.get("cp", 1)),
                  replicas_disagree="consistency" in kinds, checked_every_step=check_interval == 1,
                  growth=growth, suspects=devices)

@@ -40,6 +40,7 @@ from .. import collectives, recovery, safe_mode, snapshots
 from ..callbacks import Callback
 from ..cause_response import blames_samples, classify_step, count_device
 from ..decisions import Action, Decision
+from ..detectors import target_taken
 from ..incidents import IN_MEMORY, Incident
 from ..ledger import Ledger
 from ..protocols import Guard
@@ -212,6 +213,7 @@ class InProcessRollback(Callback):
         first = not self.store.snapshots and not self.store.skipped
         taken = self.store.take(iteration, live_tensors(model, optimizer),
                                 small_values(optimizer, scheduler, self.monitor, self.ledger.lr_scale))
+        target_taken(self.monitor.state.detectors)  # the check that certifies it reads all of the held state
         if taken is not None and first and self.monitor.rank == 0:  # rank 0 says what the copies cost, at exit
             atexit.register(lambda: print(f"[megatron_patches] {self.store.cost_line(self._iterations, 0)}",
                                           file=sys.stderr, flush=True))
