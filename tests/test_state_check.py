@@ -99,6 +99,7 @@ def test_dp2_with_the_distributed_optimizer_names_rank_0s_shard_and_leaves_nothi
     assert record["origin_ranks"] == [0] and record["first"]["name"] == FC1 and record["first"]["shard"]
     assert [f["ranks"]["global"] for f in record["held_off"]] == [0]
     assert (record["cause"]["class"], record["action"], record["blacklisted"]) == ("hardware", "rollback", [])
+    assert record["rolled_back_to"] == 28
     # No corrupted value is left: every rank's moments end finite and of the twin's magnitude (the x1000
     # would stand 100 times above it). Not bit for bit: under bf16 and the distributed optimizer a
     # rollback in the harness redoes the steps after its checkpoint a few ulps apart from an
