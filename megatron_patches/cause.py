@@ -63,6 +63,9 @@ class Signs:
     held_extreme_only: bool = False
     """The held values went beyond 2^100 but stayed finite (no NaN or Inf): a bit flip of the top
     exponent bit leaves that, and so does a growth, which the gradient norm's trail tells apart."""
+    off_ranks: tuple[int, ...] = ()
+    """Ranks whose weights or optimizer state held a finite value far above the same tensor's at
+    its previous check (the held-state check, ``detectors.state``): a lasting corruption."""
     altered_ranks: tuple[int, ...] = ()
     """Ranks whose state changed between two updates (the state audit): nothing but a fault does that."""
     fed_ranks: tuple[int, ...] = ()
@@ -139,9 +142,14 @@ def classify(signs: Signs, replay: Optional[dict] = None) -> Cause:
     if signs.altered_ranks:
         return Cause("hardware", (f"the state of rank(s) {_ranks(signs.altered_ranks)} changed between two updates "
                                   "with no update in between",), "high", suspects)
-    if signs.held_ranks and not signs.fed_ranks and not (signs.held_extreme_only and signs.growth):
-        what = "values beyond 2^100" if signs.held_extreme_only else "non-finite values"
-        evidence = [f"{what} in the weights or optimizer state held on rank(s) {_ranks(signs.held_ranks)}"]
+    if (signs.held_ranks or signs.off_ranks) and not signs.fed_ranks and not (signs.held_extreme_only and signs.growth):
+        evidence = []
+        if signs.held_ranks:
+            what = "values beyond 2^100" if signs.held_extreme_only else "non-finite values"
+            evidence.append(f"{what} in the weights or optimizer state held on rank(s) {_ranks(signs.held_ranks)}")
+        if signs.off_ranks:
+            evidence.append(f"values far above their previous check in the weights or optimizer state held on "
+                            f"rank(s) {_ranks(signs.off_ranks)}")
         if signs.checked_every_step:
             evidence.append("every gradient applied to them was checked finite")
         if verdict == "deterministic":

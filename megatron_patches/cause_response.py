@@ -70,7 +70,8 @@ def follow_cause(run: InProcessRecovery, episode: Episode) -> Episode:
     if cause.klass == "software":
         return _decided(episode, decision.escalated(f"cause software ({'; '.join(cause.evidence)}): a rollback "
                                                     "would meet it again; fix the code or the setup"))
-    held = decision.signs.held_ranks if decision.signs is not None else ()
+    signs = decision.signs
+    held = tuple(sorted(set(signs.held_ranks) | set(signs.off_ranks))) if signs is not None else ()
     if cause.klass == "hardware" and held and decision.action == Action.SKIP_STEP:
         why = (f"cause hardware: the state held on rank(s) {list(held)} is corrupt and a skipped step would "
                "leave it so")

@@ -19,15 +19,15 @@ from typing import Any, Literal, Optional
 from . import config_checks as check
 from .config_detectors import (ActivationsConfig, AuditConfig, ConsistencyConfig, DetectorsConfig, HistoryConfig,
                                LossScaleConfig, LossSpikeConfig, MagnitudeConfig, NonFiniteConfig, PeakConfig,
-                               PeersConfig, TokensConfig)
+                               PeersConfig, StateConfig, TokensConfig)
 from .config_load import ENV_VAR, build, config_path, read_config_file, redact_url, redacted
 from .errors import ConfigError
 
 __all__ = [
     "ENV_VAR", "ActivationsConfig", "AlertsConfig", "AuditConfig", "Config", "ConsistencyConfig", "DetectorsConfig",
     "HistoryConfig", "LossScaleConfig", "LossSpikeConfig", "MagnitudeConfig", "NonFiniteConfig", "PeakConfig",
-    "PeersConfig",
-    "RecoveryConfig", "ResponseConfig", "SceneConfig", "TokensConfig", "WebhookConfig", "config_path",
+    "PeersConfig", "RecoveryConfig", "ResponseConfig", "SceneConfig", "StateConfig", "TokensConfig", "WebhookConfig",
+    "config_path",
     "load_config", "read_config_file", "redact_url", "redacted",
 ]
 
@@ -149,7 +149,8 @@ class RecoveryConfig:
     """A snapshot or a Megatron-LM checkpoint becomes a rollback target after this many further
     checked steps came out clean (the first of them checks the gradients of its own parameters
     and, with the consistency detector, that the replicas agree on them); a flagged step before
-    that drops the snapshot and marks the checkpoint not certified."""
+    that drops the snapshot and marks the checkpoint not certified. With ``detectors.state`` on,
+    the first of them also reads all of the weights and optimizer state the target holds."""
     lr_factor: float = field(default=0.5, metadata={"check": check.share})
     """Each rollback multiplies the learning rate by this (1: a rollback that changes nothing but
     the iterations redone)."""

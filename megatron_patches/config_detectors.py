@@ -120,6 +120,27 @@ class AuditConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StateConfig:
+    enabled: bool = True
+    """Read a rotating slice of the weights each rank's optimizer steps and of their Adam moments
+    per check (their largest magnitude, one fused read): a slice non-finite, or far above the same
+    slice a full turn before, is an incident naming the parameter, the tensor (weight, exp_avg,
+    exp_avg_sq) and the rank that holds it, found within 1/``fraction`` checked steps; snapshots and
+    checkpoints are rollback targets only once a full turn of clean checks read them
+    (docs/detectors.md, "state")."""
+    fraction: float = field(default=0.2, metadata={"check": check.share})
+    """Share of every held tensor read per check (0.2: each element once in 5 checks, 0.2 of the
+    held state's bytes per check; 1: all of it on every check)."""
+    ratio: float = field(default=100.0, metadata={"check": check.above_one})
+    """Flag a slice whose largest magnitude is more than this many times the same slice's at its
+    previous check (this squared for exp_avg_sq, which holds squares of gradients)."""
+    warmup_steps: int = field(default=20, metadata={"check": check.at_least_one})
+    """Checks before a slice's largest magnitude becomes a baseline for the ratio (Adam's moments
+    grow from zero, and the gradients with them, over the first steps); non-finite values are
+    flagged from the first check."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class PeakConfig:
     enabled: bool = False
     """Judge each gradient tensor's crest factor (its largest magnitude over its RMS) against the
@@ -210,6 +231,8 @@ class DetectorsConfig:
     """Each tensor against the same tensor in the other layers, from the first step (docs/detectors.md)."""
     audit: AuditConfig = field(default_factory=AuditConfig)
     """Held weights and optimizer state compared across the time between two updates (docs/detectors.md)."""
+    state: StateConfig = field(default_factory=StateConfig)
+    """A rotating slice of the held weights and optimizer state: non-finite or far off (docs/detectors.md)."""
     peak: PeakConfig = field(default_factory=PeakConfig)
     """Each gradient's largest magnitude over its RMS against its own history (docs/detectors.md)."""
     activations: ActivationsConfig = field(default_factory=ActivationsConfig)

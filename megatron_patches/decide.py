@@ -81,7 +81,7 @@ def signs_of(step: int, reports: list[RankReport], origins: list[int], replicas:
                         if seen.get(rank) is not None)
     return Signs(step=step, first_checked=facts.clean_before == 0,
                  held_ranks=ranks_with("held:"), held_extreme_only=bool(held) and not any(f.nan or f.inf for f in held),
-                 altered_ranks=ranks_with("altered:"), fed_ranks=ranks_with("input:"), origin_ranks=tuple(origins),
+                 off_ranks=ranks_with("off:"), altered_ranks=ranks_with("altered:"), fed_ranks=ranks_with("input:"), origin_ranks=tuple(origins),
                  origin_replicas=replicas, replicas=max(1, facts.world.get("dp", 1) * facts.world.get("cp", 1)),
                  replicas_disagree="consistency" in kinds, checked_every_step=check_interval == 1,
                  growth=growth, suspects=devices)
@@ -185,7 +185,9 @@ def describe(kind: str, findings: list[ParamFinding], total_norm: float,
     if held and origin is not None:
         state = " and ".join(r.split(":", 1)[1] for r in origin.reasons if r.startswith("held:"))
         altered = " and ".join(r.split(":", 1)[1] for r in origin.reasons if r.startswith("altered:"))
+        off = " and ".join(r.split(":", 1)[1] for r in origin.reasons if r.startswith("off:"))
         what = (f"{altered} altered between two updates" if altered
+                else f"{off} far above its previous check" if off and not state
                 else f"non-finite {state}" if origin.nan or origin.inf else f"{state} beyond 2^100")
     if origin is not None:
         head = (f"{what} first at {origin.name} (layer {origin.layer}{_expert_note(origin)}, rank {origin.ranks['global']}, "
@@ -247,7 +249,7 @@ def assemble(ctx: CheckContext, everyone: list[RankReport], decision: Decision, 
         message = f"{cause.why}: {message}"
     if before:
         extra["pre_reduction"] = [f.as_record() for f in before]
-    for key, prefix in (("held_nonfinite", "held:"), ("held_altered", "altered:")):
+    for key, prefix in (("held_nonfinite", "held:"), ("held_altered", "altered:"), ("held_off", "off:")):
         mine = [f.as_record() for f in held if any(r.startswith(prefix) for r in f.reasons)]
         if mine:
             extra[key] = mine

@@ -28,6 +28,7 @@ import torch
 from . import collectives
 from .callbacks import Callback
 from .certify import Certifier
+from .detectors import target_taken
 
 log = logging.getLogger("megatron_patches")
 
@@ -223,6 +224,7 @@ class LoopSnapshots:
         """After ``step``'s update (and its decision, if any): a snapshot when one is due."""
         if self.store.due(step):
             self.store.take(step, self.loop.live_tensors(), self.loop.state_values())
+            target_taken(self.monitor.state.detectors)  # the check that certifies it reads all of the held state
 
     def newest(self, below: Optional[int] = None) -> Optional[int]:
         """Every rank: the newest step every rank holds certified (older than ``below``), or None."""

@@ -224,6 +224,14 @@ class GradReadCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def held_state_bytes(optimizer) -> int:
+    """Bytes of what ``optimizer`` holds on this rank: each weight it steps and its floating state
+    tensors (``exp_avg``, ``exp_avg_sq``): the denominator of the held-state read passes."""
+    states = optimizer_states(optimizer)
+    return sum(t.numel() * t.element_size() for g in optimizer.param_groups for p in g["params"]
+               for t in held_tensors(p, states).values())
+
+
 def gradient_bytes(optimizer) -> int:
     """Bytes of the gradients ``optimizer`` applies on this rank (one per parameter it steps, in
     the parameter's dtype): what one pass of a norm over all of them reads."""

@@ -44,8 +44,8 @@ from collections import Counter
 import numpy as np
 import torch
 
-from bench_measure import (GradReadCounter, HostReadCounter, Stopwatch, TorchCallCounter, gradient_bytes, instrumented_hooks,
-                           merged_counts, model_state_storages, retained_storages, stats, total_count)
+from bench_measure import (GradReadCounter, HostReadCounter, Stopwatch, TorchCallCounter, gradient_bytes, held_state_bytes,
+                           instrumented_hooks, merged_counts, model_state_storages, retained_storages, stats, total_count)
 from bench_report import DP2_NPROC, LIMITS, TITLES, VARIANTS, environment, print_table, targets
 from bench_variants import Variants
 from megatron_patches.seams import wrappers, patching
@@ -237,12 +237,14 @@ class SizeBench:
         model_storages = model_state_storages(self.trainer)
         state_bytes = sum(model_storages.values())
         grad_bytes = gradient_bytes(self.trainer.optimizer)
+        held_bytes = held_state_bytes(self.trainer.optimizer)
         result = {
             "model": {"hidden": m.hidden, "layers": m.layers, "heads": m.heads, "vocab": m.vocab, "seq": m.seq,
                       "micro_batch_size": m.micro_batch_size, "micro_batches": m.micro_batches,
                       "precision": m.precision, "parameters": self.n_params(),
                       "param_tensors": sum(len(g["params"]) for g in self.trainer.optimizer.param_groups),
-                      "model_optimizer_state_bytes": state_bytes, "gradient_bytes": grad_bytes},
+                      "model_optimizer_state_bytes": state_bytes, "gradient_bytes": grad_bytes,
+                      "held_state_bytes": held_bytes},
             "world_size": self.world, "rank": self.rank,
             "variant_c_changes": self.variants.all_on_changes,
             "variant_configs": {v: dataclasses.asdict(c) for v, c in self.variants.configs.items()},
@@ -271,6 +273,10 @@ class SizeBench:
                 # The weights the optimizer steps and their moments, in the same unit (the audit's reads).
                 "extra_state_read_passes_per_checked_step":
                     (sum(self.state_reads[v]) - sum(self.state_reads["A"])) / grad_bytes / checked,
+                # The same bytes over the held state's own (issue 56: the held-state check reads a
+                # rotating share of it; the optimizer's update reads it in every variant alike).
+                "extra_held_state_read_passes_per_checked_step":
+                    (sum(self.state_reads[v]) - sum(self.state_reads["A"])) / held_bytes / checked,
                 # Where they are read: in each of the guard's hooks, and outside them ("-", where
                 # Megatron's own norm pass, absent when the guard serves it, shows as a difference).
                 "read_passes_per_step_by_hook": {k: n / len(self.grad_reads[v]) / grad_bytes for k, n in

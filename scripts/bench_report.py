@@ -26,7 +26,8 @@ TITLES = {
 # consistency detector's share (issue 41: at most 0.1 of a pass).
 LIMITS = {"step_overhead_pct": 2.0, "default_extra_read_passes": 0.1, "default_extra_host_reads": 1.0,
           "all_detectors_read_passes": 0.1, "host_reads": 1.0, "memory_pct": 1.0,
-          "fixed_step_ms": 1.0, "fixed_step_pct": 1.0, "default_torch_calls": 30}
+          "fixed_step_ms": 1.0, "fixed_step_pct": 1.0, "default_torch_calls": 30,
+          "default_extra_state_read_passes": 0.25}
 DP2_NPROC = 2
 
 
@@ -87,6 +88,12 @@ def _count_rows(sizes: dict, where: str) -> list[tuple]:
          f"default config (B) vs unpatched (A): extra bytes of gradient memory read per checked step / "
          f"gradient bytes{where} (every size: worst)",
          worst("B", "extra_read_passes_per_checked_step"), None, {}, LIMITS["default_extra_read_passes"], "passes"),
+        # Issue 56: the held-state check reads a rotating share of the weights and Adam moments.
+        ("default_extra_state_read_passes",
+         f"default config (B) vs unpatched (A): extra bytes of held weights and optimizer state read per "
+         f"checked step / their bytes{where} (every size: worst)",
+         worst("B", "extra_held_state_read_passes_per_checked_step"), None, {},
+         LIMITS["default_extra_state_read_passes"], "passes"),
         ("default_extra_host_reads",
          f"default config (B) vs unpatched (A): extra host reads per checked step{where} (every size: worst)",
          worst("B", "host_reads_per_checked_step"), None, {}, LIMITS["default_extra_host_reads"], "reads"),

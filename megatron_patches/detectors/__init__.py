@@ -24,9 +24,18 @@ from .history import HistoryDetector
 from .loss import LossSpike
 from .peak import PeakDetector
 from .peers import PeersDetector
+from .state import HeldStateCheck
 from .tokens import TokenRange
 
-__all__ = ["CheckContext", "Detector", "Rotation", "build"]
+__all__ = ["CheckContext", "Detector", "Rotation", "build", "target_taken"]
+
+
+def target_taken(detectors: list) -> None:
+    """The loop took a rollback target of this rank's state (a snapshot, a checkpoint): the
+    detectors that read the held state read all of it at the next check, which certifies it
+    (``detectors``: the guard's, ``monitor.state.detectors``)."""
+    for detector in detectors:
+        detector.target_taken()
 
 
 def build(config: Any, parallel_state: Callable[[], Any], step_of: Callable[[], int] = lambda: 0,
@@ -45,6 +54,8 @@ def build(config: Any, parallel_state: Callable[[], Any], step_of: Callable[[], 
         detectors.append(PeersDetector(settings.peers, parallel_state))
     if settings.audit.enabled:
         detectors.append(StateAudit(settings.audit))
+    if settings.state.enabled:
+        detectors.append(HeldStateCheck(settings.state))
     if settings.peak.enabled:
         detectors.append(PeakDetector(settings.peak))
     if settings.activations.enabled:

@@ -121,6 +121,10 @@ class Detector:
     def forget(self) -> None:
         """The weights and optimizer state were put back (a rollback in process)."""
 
+    def target_taken(self) -> None:
+        """A rollback target (an in-memory snapshot, a checkpoint) was just taken of this rank's
+        state; it is certified by the clean checks that follow."""
+
     def held(self, ctx: CheckContext, ranks: dict) -> list:
         """Slow path: this rank's parameters whose held weight or optimizer state the detector found
         corrupted (``ParamFinding``s; ``ranks``: this rank's). The ranks holding such a corruption

@@ -235,6 +235,10 @@ class TinyTrainer:
                                healthy=healthy, keep=keep, awaiting=self.certification is not None)
         if healthy and self.certification is not None:
             self.certification.awaiting(step, path)
+        if self.monitor is not None:  # the check that certifies it reads all of the held state
+            from ..detectors import target_taken
+
+            target_taken(self.monitor.state.detectors)
 
     def _mean_loss(self, losses: list[dict]) -> tuple[float, Optional[float]]:
         """Mean loss over the last pipeline stage's ranks, known on every rank (float32 tensors on

@@ -14,7 +14,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VARIANTS = {"A", "B", "C", "D", "E"}
 COUNTED = {"default_extra_read_passes", "default_extra_host_reads", "all_detectors_read_passes",
-           "default_torch_calls_per_check"}
+           "default_torch_calls_per_check", "default_extra_state_read_passes"}
 TARGETS = {("1 rank", name) for name in COUNTED | {"default_fixed_step_cost_ms", "default_step_overhead_pct",
                                                   "shipped_default_step_overhead_pct",
                                                   "host_reads_per_checked_step", "extra_memory_pct"}} \
@@ -101,6 +101,9 @@ def test_bench_reports_every_variant_host_reads_and_targets(tmp_path):
     for t in targets.values():
         assert isinstance(t["met"], bool) and t["limit"] >= 0 and t["verdict"], t
     assert targets[("1 rank", "default_extra_read_passes")]["met"]
+    # The held-state check (issue 56): a rotating fifth of the weights and Adam moments per check.
+    for layout in ("1 rank", "dp2"):
+        assert targets[(layout, "default_extra_state_read_passes")]["value"] == pytest.approx(0.2, abs=0.02), layout
 
 
 @pytest.mark.multiproc

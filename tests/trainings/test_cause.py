@@ -20,31 +20,30 @@ def ledger(out):
 @pytest.mark.multiproc
 def test_a_nan_in_a_ranks_adam_state_is_hardware_none_blacklisted_and_the_second_fences_the_device(tmp_path):
     # The measured bug (DP2, bf16, distributed optimizer, checkpoints every 4 steps): the corrupt exp_avg_sq
-    # reproduces the NaN on replay, and the run blacklisted the innocent samples of the steps after it.
+    # reproduced the NaN on replay, and the run blacklisted the innocent samples of the steps after it.
     state = f"nan:phase=state,slot=exp_avg_sq,param={FC1},rank=0"
     run = run_tiny(tmp_path, "--steps", "20", "--save-interval", "4", "--precision", "bf16", "--distributed-optimizer",
                    "--inject", state.replace("nan:", "nan:step=6,"), "--inject", state.replace("nan:", "nan:step=14,"),
                    nproc=2)
     assert run.returncode == 88, run.output[-3000:]
     first, second = run.incidents
-    # The first corruption: hardware on rank 0's device, rolled back at once, no sample blacklisted.
-    assert first["replay"]["verdict"] == "deterministic"
+    # The first corruption: hardware on rank 0's device, rolled back at once, no sample blacklisted. The
+    # held-state check (detectors.state) reads it at the step it happened, before any gradient went
+    # non-finite, so a replay of that step is clean; without the check it was found a step later.
+    assert first["replay"]["verdict"] == "transient"
     assert (first["cause"]["class"], first["cause"]["confidence"]) == ("hardware", "high")
     assert first["cause"]["devices"][0]["rank"] == 0
-    assert "the replay reproduced the fault from that state, so the batch is not its cause" in first["cause"]["evidence"]
-    # Back to the in-memory snapshot of 5 (certified by the clean check of 6), newer than the checkpoint of 4
-    # (issue 60: the harness rolls back in memory; before it, to the checkpoint of 4).
-    assert (first["step"], first["action"], first["rolled_back_to"], first["blacklisted"]) == (7, "rollback", 5, [])
-    assert first["checkpoint"] == "in-memory snapshot"
+    assert "non-finite values in the weights or optimizer state held on rank(s) 0" in first["cause"]["evidence"]
+    assert (first["step"], first["action"], first["rolled_back_to"], first["blacklisted"]) == (6, "rollback", 4, [])
     # The second on the same device fences it: every rank exits 88, one line names the host and device.
-    assert (second["step"], second["severity"], second["action"], second["blacklisted"]) == (15, "critical", "fence", [])
+    assert (second["step"], second["severity"], second["action"], second["blacklisted"]) == (14, "critical", "fence", [])
     device = first["cause"]["devices"][0]
     line = (f"fence: exclude host {device['host']} device {device['device']} (rank 0): 2 hardware-class incidents "
-            "in this job, at steps [7, 15]; every rank exits with 88")
+            "in this job, at steps [6, 14]; every rank exits with 88")
     assert run.output.count(line) == 1, run.output[-3000:]
     kept = ledger(tmp_path)
-    assert kept["blacklist"] == [] and [e["step"] for e in kept["hardware"]] == [7, 15]
-    assert kept["fenced"] == {"host": device["host"], "device": device["device"], "rank": 0, "step": 15, "incidents": 2}
+    assert kept["blacklist"] == [] and [e["step"] for e in kept["hardware"]] == [6, 14]
+    assert kept["fenced"] == {"host": device["host"], "device": device["device"], "rank": 0, "step": 14, "incidents": 2}
 
 
 def test_a_poisoned_sample_is_data_and_its_micro_batch_blacklisted_where_a_transient_nan_is_hardware(tmp_path):

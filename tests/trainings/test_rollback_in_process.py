@@ -179,15 +179,18 @@ def test_a_weight_one_rank_holds_corrupted_is_named_there_and_rolled_back(tmp_pa
     it) before the update of iteration 5. The all-gather hands it to both replicas, so both ranks'
     gradients of iteration 6 are non-finite before the reduction (before: two origins, a critical
     stop, exit 86); the slow path finds it held on rank 0, the one origin: a skip, then (it
-    lasts) a rollback in process to the snapshot of 4, and the run ends finite."""
+    lasts) a rollback in process, and the run ends finite. Since issue 56 the held-state check
+    reads all of the held state at the check after snapshot 4 (iteration 5), so the NaN is found
+    there, before any gradient goes non-finite; that flagged check drops snapshot 4, not yet
+    certified, and the rollback goes to the snapshot of 2."""
     run = train(tmp_path, "held", *DP2_BF16_DISTOPT, drill=f"nan:step=5,rank=0,phase=param,param={FC1}")
     assert run["code"] == 0, run["output"][-6000:]
     found = run["incidents"]
-    assert [(i["step"], i["action"], i["origin_ranks"]) for i in found] == [(6, "skip_step", [0]), (7, "rollback", [0])]
+    assert [(i["step"], i["action"], i["origin_ranks"]) for i in found] == [(5, "skip_step", [0]), (6, "rollback", [0])]
     first = found[0]["first"]
     assert (first["name"], first["ranks"]["global"], first["reasons"]) == (FC1, 0, ["held:weight"])
     assert found[0]["message"].startswith(f"non-finite weight first at {FC1} (layer 1, rank 0")
-    assert found[1]["rolled_back_to"] == 4 and all(line["finite"] for line in run["after"][0].values())
+    assert found[1]["rolled_back_to"] == 2 and all(line["finite"] for line in run["after"][0].values())
 
 
 def test_a_weight_bit_flipped_under_the_audit_is_rolled_back_to_the_uninterrupted_run(tmp_path, baseline):

@@ -32,6 +32,7 @@ from typing import Any, Optional
 from ... import checkpoint, collectives
 from ...callbacks import Callback
 from ...certify import Certifier
+from ...detectors import target_taken
 from ...detectors.base import Rotation
 from ...files import write_json_atomic
 from ...protocols import Guard
@@ -163,6 +164,7 @@ class CheckpointMarks(Callback):
         self._incidents_at_save = incidents
         directory = checkpoint.checkpoint_dir(root, int(iteration))
         self._save_state(directory)
+        target_taken(self.monitor.state.detectors)  # every rank: the check that certifies it reads all the held state
         if collectives.rank() != 0 or not os.path.isdir(directory):
             return
         healthy = healthy and rerun is None

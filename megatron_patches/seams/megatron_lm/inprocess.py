@@ -38,6 +38,7 @@ from ... import collectives, recovery, safe_mode, snapshots
 from ...callbacks import Callback
 from ...cause_response import blames_samples, classify_step, count_device
 from ...decisions import Action, Decision
+from ...detectors import target_taken
 from ...incidents import IN_MEMORY, Incident, Outcome
 from ...ledger import Ledger
 from ...protocols import Guard
@@ -132,8 +133,7 @@ class InProcessRollback(Callback):
 
     @property
     def episode_samples(self) -> list:
-        """Rank 0: the episode's samples, as the exit-and-restart executor collects them (one list:
-        a rollback made here ends the episode for a later restart too)."""
+        """Rank 0: the episode's samples, one list with the restart executor's (it ends for a restart too)."""
         return self.restart.episode_samples
 
     @episode_samples.setter
@@ -153,8 +153,7 @@ class InProcessRollback(Callback):
         self.store.note_check(step, flagged)
 
     def on_decision(self, decision: Decision, incident: Optional[Incident]) -> None:
-        """Rank 0 dates a replica divergence (the episode's iterations and samples are collected by
-        ``rollback`` and its executor, callbacks too)."""
+        """Rank 0 dates a replica divergence (``rollback`` and its executor collect the episode)."""
         if incident is not None and DIVERGED in incident.kinds:  # when could it have begun?
             since = diverged_since(self.monitor.state.config, int(decision.step))
             self._suspect_since = since if self._suspect_since is None else min(self._suspect_since, since)
@@ -207,10 +206,11 @@ class InProcessRollback(Callback):
         first = not self.store.snapshots and not self.store.skipped
         taken = self.store.take(iteration, live_tensors(model, optimizer),
                                 small_values(optimizer, scheduler, self.monitor, self.ledger.lr_scale))
-        if taken is not None and first and collectives.rank() == 0:  # rank 0 says what the copies cost, at exit
-            atexit.register(lambda: print(f"[megatron_patches] {self.store.cost_line(self._iterations, 0)}",
-                                          file=sys.stderr, flush=True))
+        target_taken(self.monitor.state.detectors)  # the check that certifies it reads all of the held state
         if taken is not None and first:
+            if collectives.rank() == 0:  # rank 0 says what the copies cost, at exit
+                atexit.register(lambda: print(f"[megatron_patches] {self.store.cost_line(self._iterations, 0)}",
+                                              file=sys.stderr, flush=True))
             log.debug("in-memory snapshot of step %d: %.3f MiB on this rank", iteration, taken.nbytes / 2**20)
             if self._expected_bytes is not None and taken.nbytes > self._expected_bytes:
                 log.warning("in-memory snapshot of step %d: %.1f MiB on rank %d, more than the %.1f MiB reckoned "
