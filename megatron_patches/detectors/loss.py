@@ -223,3 +223,15 @@ def _own(losses: Optional[list]) -> Optional[float]:
         return None
     total, count = pair.tolist()
     return total / count if count > 0 else None
+
+
+def fed_schedule(schedule: Any, detectors: Iterable) -> Any:
+    """``schedule`` (a loop's forward-backward function) handing the loss tensors it returns to the
+    guard before the update: Megatron-LM reads its loss on the host only at log intervals, after the
+    update, so the check takes it from the schedule. A forward-only call (a replay) feeds nothing."""
+    def forward_backward(*args, **kwargs):
+        losses = schedule(*args, **kwargs)
+        if not kwargs.get("forward_only", False):
+            feed_loss(detectors, list(losses or ()))
+        return losses
+    return forward_backward

@@ -52,7 +52,7 @@ from typing import Any, Optional
 from ... import collectives, recovery
 from ...callbacks import Callback, attached
 from ...errors import UserError, exit_refused
-from ...detectors.loss import feed_loss
+from ...detectors.loss import fed_schedule
 from ...protocols import Guard
 from .. import start_line, wrappers
 from ..mindspeed import llm as mindspeed_llm
@@ -335,7 +335,7 @@ def train_step_wrapper(wrapped, instance, args, kwargs):
                                             int(megatron_args.consumed_train_samples))
     schedule = bound.arguments.get("forward_backward_func")
     if schedule is not None and monitor.state.config.detectors.loss_spike.enabled:
-        bound.arguments["forward_backward_func"] = _loss_fed(schedule, monitor)
+        bound.arguments["forward_backward_func"] = fed_schedule(schedule, monitor.state.detectors)
     result = wrapped(*bound.args, **bound.kwargs)
     current.after_step()
     if current.replay is not None and current.replay.pending is not None:
@@ -343,18 +343,6 @@ def train_step_wrapper(wrapped, instance, args, kwargs):
     if current.in_process is not None:  # a snapshot, or a rollback made here: the redone iteration's result
         result = current.in_process.after_iteration(iteration, wrapped, bound, result)
     return result
-
-
-def _loss_fed(schedule, monitor):
-    """``schedule`` (the loop's forward-backward function) handing the loss tensors it returns to
-    the guard before the update: Megatron-LM reads its loss on the host only at log intervals, after
-    the update, so the check takes it from the schedule (``detectors.loss_spike``)."""
-    def forward_backward(*args, **kwargs):
-        losses = schedule(*args, **kwargs)
-        if not kwargs.get("forward_only", False):
-            feed_loss(monitor.state.detectors, list(losses or ()))
-        return losses
-    return forward_backward
 
 
 def should_checkpoint_and_exit_wrapper(wrapped, instance, args, kwargs):
