@@ -76,7 +76,8 @@ def test_a_misspelled_config_key_is_one_line_and_exit_2_on_every_rank(loop_kind,
     assert "2" in codes and codes <= {"2", "-15"}, output[-4000:]
     lines = [line for line in output.splitlines() if "unknown config key" in line]
     assert lines == ["[megatron_patches] unknown config key detectors.nonfinit at detectors; valid keys: "
-                     "activations, audit, consistency, history, loss_scale, magnitude, nonfinite, peak, peers, tokens"], lines
+                     "activations, audit, consistency, history, loss_scale, loss_spike, magnitude, nonfinite, peak, peers, "
+                     "state, tokens"], lines
     assert "Traceback" not in output.split("failed (exitcode")[0]  # torchrun's own summary follows
     assert iterations(output) == {}
 

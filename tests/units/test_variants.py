@@ -141,8 +141,11 @@ def megatron_training(monkeypatch, tmp_path):
 def _session():
     from megatron_patches.seams import megatron_lm
 
-    added = []
-    monitor = SimpleNamespace(counters={"incidents": 0}, state_dict=dict, add_callback=added.append, added=added)
+    from megatron_patches.config import Config
+
+    added, counters = [], {"incidents": 0}
+    state = SimpleNamespace(config=Config(), counters=counters, detectors=[])  # the RunState parts the marks read
+    monitor = SimpleNamespace(counters=counters, state=state, state_dict=dict, add_callback=added.append, added=added)
     return megatron_lm.MegatronLMSession(monitor)
 
 
