@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from statistics import median
 from typing import Any, Iterable, Optional
 
 import torch
 
 from ..collectives import all_gather_floats
-from ..incident_text import spike_text  # noqa: F401  (the message; pure text, read by decide)
 from .base import CheckContext, Detector
 
 _MAD_TO_SD = 1.4826
@@ -48,12 +48,6 @@ _MIN_SD = 1e-3
 """Floor on the robust deviation of log(loss): a loss steady to 0.1 % is not infinitely sure."""
 _KEY = "lm loss"
 """The loss Megatron's GPT loss functions report (the first key of the dict where it is absent)."""
-
-
-def median(values: list) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else 0.5 * (ordered[middle - 1] + ordered[middle])
 
 
 class Baseline:

@@ -10,7 +10,8 @@ import torch
 
 from megatron_patches.config import Config, LossSpikeConfig
 from megatron_patches.detectors import CheckContext, build
-from megatron_patches.detectors.loss import Baseline, LossSpike, above_the_others, feed_loss, median, spike_text
+from megatron_patches.detectors.loss import Baseline, LossSpike, above_the_others, feed_loss, median
+from megatron_patches.incident_text import spike_text
 from megatron_patches.errors import ConfigError
 
 
