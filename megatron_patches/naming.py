@@ -58,7 +58,8 @@ def _strip_wrappers(name: str) -> str:
     return name
 
 
-def _unwrap(chunk: Any) -> Any:
+def unwrap(chunk: Any) -> Any:
+    """The model under Megatron's wrappers (DDP, Float16Module, FSDP: each keeps it in ``module``)."""
     while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
         chunk = chunk.module
     return chunk
@@ -66,7 +67,7 @@ def _unwrap(chunk: Any) -> Any:
 
 def num_layers(chunk: Any) -> int:
     """Transformer layers of the whole model (all pipeline stages), from its config."""
-    config = getattr(_unwrap(chunk), "config", None)
+    config = getattr(unwrap(chunk), "config", None)
     return int(getattr(config, "num_layers", 0) or 0)
 
 
@@ -105,7 +106,7 @@ def expert_of(name: str, ep_rank: int, local_experts: int) -> Optional[tuple[int
 
 def local_experts(model_chunks: list, ps: Any) -> int:
     """Routed experts each expert-parallel rank holds (0 for a dense model)."""
-    config = next((getattr(_unwrap(c), "config", None) for c in model_chunks), None)
+    config = next((getattr(unwrap(c), "config", None) for c in model_chunks), None)
     experts = int(getattr(config, "num_moe_experts", None) or 0)
     ep_size = ps.get_expert_model_parallel_world_size() if ps is not None else 1
     return experts // max(int(ep_size or 1), 1)
@@ -212,7 +213,7 @@ def name_modules(model_chunks: list, ps: Any) -> list[tuple[str, int, torch.nn.M
     chunks: ``named_modules()`` names without wrapper prefixes, global layer numbers."""
     named = []
     for chunk_index, chunk in enumerate(model_chunks):
-        model = _unwrap(chunk)
+        model = unwrap(chunk)
         renames = _layer_renames(model)
         stage = _stage_of(chunk_index, ps)
         named += [(_global_name(raw, renames), stage, module) for raw, module in model.named_modules() if raw]
@@ -239,7 +240,7 @@ def name_parameters(model_chunks: list, ps: Any) -> dict[int, ParamInfo]:
     ep_rank, per_rank = expert_place(model_chunks, ps)
     infos: dict[int, ParamInfo] = {}
     for chunk_index, chunk in enumerate(model_chunks):
-        model = _unwrap(chunk)
+        model = unwrap(chunk)
         renames = _layer_renames(model)
         stage = _stage_of(chunk_index, ps)
         for position, (raw_name, param) in enumerate(model.named_parameters()):

@@ -22,6 +22,8 @@ from typing import Any, Optional
 
 import torch
 
+from ... import naming
+
 log = logging.getLogger("megatron_patches")
 
 
@@ -93,7 +95,7 @@ class RowWatch:
         """Whether a per-sample loss was seen at all (the last pipeline stage, a model given labels)."""
         self._calls = 0
         self._handles = [chunk.register_forward_hook(self._watch) for chunk in chunks
-                         if getattr(_inner(chunk), "post_process", False)]
+                         if getattr(naming.unwrap(chunk), "post_process", False)]
 
     def _watch(self, module: Any, inputs: Any, output: Any) -> None:
         micro, self._calls = self._calls % _microbatches(), self._calls + 1
@@ -109,14 +111,6 @@ class RowWatch:
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
-
-
-def _inner(chunk: Any) -> Any:
-    """The model under Megatron's wrappers (DDP, Float16Module, FSDP: each keeps it in ``module``)."""
-    seen = 0
-    while hasattr(chunk, "module") and seen < 8:
-        chunk, seen = chunk.module, seen + 1
-    return chunk
 
 
 def reproduced_verdict(bad: list, fed: int) -> Optional[dict]:
