@@ -302,6 +302,9 @@ def test_expert_data_parallel_replicas_name_the_rank_whose_expert_gradient_broke
     assert first["expert"] == {"global": 2, "local": 0} and (first["ranks"]["ep"], first["ranks"]["edp"]) == (1, 1)
 
 
+# In make test-all: CI keeps the EP2 MoE rollback in process (test_rollback_in_process.py[ep2_moe]),
+# which restores the same state exactly; this is the restart path of the same layout (~22 s quiet).
+@pytest.mark.slow
 @needs_packaged_loop
 @pytest.mark.multiproc
 def test_a_persistent_expert_fault_rolls_back_and_the_moe_job_resumes_from_the_healthy_checkpoint(tmp_path):

@@ -98,10 +98,11 @@ def test_a_nan_the_optimizer_would_apply_is_named_and_its_step_leaves_weights_an
     assert_only_the_skipped_steps_left_everything_untouched(tmp_path / "probe", skipped={3}, last=6)
 
 
-# The FSDP variants' restart rollbacks run in make test-all: CI keeps their in-process rollback, which
+# The variants' restart rollbacks run in make test-all: CI keeps their in-process rollback, which
 # restores the same state exactly (tests/trainings/test_rollback_in_process.py), within its time budget.
 @pytest.mark.parametrize("name", [pytest.param("precision_aware_bf16_states", marks=pytest.mark.slow),
-                                  "cpu_offload_half", pytest.param("torch_fsdp2", marks=pytest.mark.slow),
+                                  pytest.param("cpu_offload_half", marks=pytest.mark.slow),
+                                  pytest.param("torch_fsdp2", marks=pytest.mark.slow),
                                   pytest.param("megatron_fsdp", marks=pytest.mark.slow)])
 def test_optimizer_variant_persistent_nan_is_rolled_back_to_its_checkpoint_and_resumed(tmp_path, monkeypatch, name):
     """Precision-aware with bf16 moments and main gradients: Megatron saves them through the
