@@ -71,6 +71,7 @@ def test_megatrons_rerun_reproduces_the_poisoned_row_so_the_cause_is_data_and_on
     assert first["replay"] == {"verdict": "deterministic", "narrowed": True}
     assert first["blacklisted"] == [17]
     assert first["forward_origin"]["ranks"] == [0]  # the poisoned row is rank 0's
+    assert output.count("step 5: sample(s) [17] reproduced the fault in the replay: cause data (high), blacklisted") == 1
     assert checked["ledger"].blacklist == [17] and checked["ledger"].events == []  # no rollback: no skip listed
     assert sorted(iterations(output)) == list(range(1, ITERS + 1))
     assert all(math.isfinite(float(checked["losses"][i])) for i in (6, 7, 9))
@@ -86,6 +87,7 @@ def test_a_gradient_nan_megatrons_rerun_finds_gone_is_no_data_and_blames_no_samp
     assert record["replay"] == {"verdict": "transient", "narrowed": False}
     assert (record["cause"]["class"], record["cause"]["confidence"]) == ("hardware", "medium"), record["cause"]
     assert record["blacklisted"] == [] and record["origin_ranks"] == [0]
+    assert "step 8: sample(s)" not in checked["output"]
     assert checked["ledger"].blacklist == [17]  # still only the poisoned sample
     assert "--no-check-for-nan-in-loss-and-grad" not in checked["output"]  # Megatron's check stayed on
     assert math.isfinite(float(checked["losses"][9]))

@@ -28,7 +28,8 @@ Where that cannot be, and under ``recovery.mode: restart``, the exit-and-restart
                                     -> every rank exits 84 (torchrun itself then exits 1)
     launcher sees 84 or the ledger  -> runs the same command again
     next start, before the load     -> --load/--ckpt-step = newest healthy iter <= tracker
-                                       iterations_to_skip += incident iterations, lr scaled
+                                       iterations_to_skip += incident iterations (and those
+                                       that read blacklisted samples), lr scaled
     first train_step                -> lr re-applied after the load, rollback_requested cleared
 
 Beside them: ``setup_model_and_optimizer`` (safe mode on retry), ``dummy_train_step`` (the skip of

@@ -100,6 +100,9 @@ class ForwardReplay:
         blamed = tuple(samples) if cause.klass in ("data", "unknown") else ()
         if blamed and self.blacklist is not None:
             self.blacklist(list(blamed))
+        if blamed and collectives.rank() == 0:
+            log.warning("step %d: sample(s) %s reproduced the fault in the replay: cause %s (%s), blacklisted",
+                        step, list(blamed), cause.klass, cause.confidence)
         self.monitor.resolve(Outcome(forward_origin=forward, replay=verdict, cause=cause, blacklisted=blamed))
 
     def _replay(self, step: int, bound: dict, positions: list) -> tuple[Optional[dict], Optional[dict]]:
