@@ -175,9 +175,15 @@ class RerunRows(ForwardReplay, Callback):
     def run(self, bound: dict, positions: tuple = ()) -> None:
         step, self.pending = self.pending, None
         seen, self._seen = self._seen[1], None
-        everyone = collectives.gather_to_zero(seen, self.monitor.state.peers)
-        verdict = rerun_verdict(everyone) if everyone else None  # rank 0
-        self.resolve(step, collectives.broadcast_from_zero(verdict, self.monitor.state.peers))
+        verdict = None
+        try:
+            everyone = collectives.gather_to_zero(seen, self.monitor.state.peers)
+            verdict = collectives.broadcast_from_zero(rerun_verdict(everyone) if everyone else None,
+                                                      self.monitor.state.peers)
+        except Exception as error:  # the record still goes out, without a verdict
+            log.warning("step %d: the rows of Megatron's rerun could not be gathered (%s: %s); the record has no "
+                        "replay verdict", step, type(error).__name__, error)
+        self.resolve(step, verdict)
 
 
 def rerun_verdict(everyone: list) -> Optional[dict]:
