@@ -31,6 +31,15 @@ class Callback:
         of a replay it runs after the step (``monitor.resolve``)."""
         return False
 
+    def before_rerun(self, step: int) -> None:
+        """Megatron's rerun machine is about to rerun the checked ``step`` in place (its
+        ``--rerun-mode validate_results`` after a rejected NaN/Inf), on every rank."""
+
+    def after_rerun(self, step: int, verdict: Optional[str]) -> None:
+        """That rerun ended, on every rank, before the guard checks the step; ``verdict``: Megatron's
+        on what this rank rejected (``transient``: finite on rerunning, ``reproducible``), None if
+        this rank rejected nothing."""
+
     def after_rollback(self, rollbacks: int) -> None:
         """After an in-process rollback put back a certified state, on every rank: what the run
         did since that state is undone (``rollbacks``: the job's count so far)."""

@@ -21,7 +21,9 @@ Megatron's rerun in place is also the guard's replay: while it runs on a checked
 :class:`~megatron_patches.forward_origin.ForwardTrace` watches every module of this rank's
 chunks (:func:`after_should_run`, on ``should_run_forward_backward``), so when the loss went
 non-finite the record names the first module whose output did (``forward_origin``), as an
-in-process replay does in the harness. Nothing is hooked outside that rerun.
+in-process replay does in the harness. Nothing is hooked outside that rerun. The guard's callbacks
+hear of it (``before_rerun``, ``after_rerun`` with this rank's verdict): Megatron-LM's session turns
+the rerun's per-sample losses into a replay verdict (:mod:`.megatron_lm.replay`).
 
 With ``--rerun-mode disabled`` Megatron would raise on the rejecting rank alone; there a
 rejected result is kept from the machine and the guard decides on every rank. Other validations (unexpectedly large values) and the determinism-stats mode pass through
@@ -41,6 +43,7 @@ from .. import forward_origin
 from ..findings import RankReport
 from ..incident_text import module_text
 from ..protocols import Guard
+from ..run_state import tell
 from .parallel import parallel_state
 
 log = logging.getLogger("megatron_patches")
@@ -165,10 +168,14 @@ def after_should_run(monitor: Guard, machine: Any, again: bool) -> None:
         trace.__exit__(None, None, None)
         first = {"forward": trace.first(), "backward": trace.first_backward()}  # host reads, once per rerun
         watch.first = (step, first) if any(first.values()) else None
+        rejected = watch.rejected
+        tell(monitor.state, "after_rerun", step, rejected.verdict if rejected is not None and rejected.step == step
+             else None)
     elif watch.trace is None and in_place and bucket_norms.checks_nonfinite(monitor):
         monitor.state.routing.restart()  # the rerun routes the step's tokens again
         trace = forward_origin.ForwardTrace(monitor.state.model_chunks.modules(), parallel_state())
         watch.trace = (monitor.state.clock.upcoming(), trace.__enter__())
+        tell(monitor.state, "before_rerun", watch.trace[0])
 
 
 def _state_name(machine: Any) -> str:

@@ -93,6 +93,11 @@ def test_without_the_blacklisted_iteration_left_out_the_redo_meets_the_poison_ag
     assert run["code"] == 0, run["output"][-6000:]
     assert [(i["step"], i["action"]) for i in run["incidents"]] == [(5, "skip_step"), (6, "rollback"), (5, "skip_step")]
     assert "iterations_skipped" not in run["incidents"][1] and run["losses"][5] == "NAN"
+    # The skip decided during the redo is replayed at once, on its own batch (not after the next live
+    # iteration, on that one's): the redone 5 is data again, sample 17 blamed again.
+    redone = run["incidents"][2]
+    assert redone["replay"] == {"verdict": "deterministic", "narrowed": True}, redone
+    assert (redone["cause"]["class"], redone["blacklisted"]) == ("data", [17]), redone
 
 
 def test_a_gradient_nan_the_forward_replay_does_not_reproduce_blames_no_sample(tmp_path):

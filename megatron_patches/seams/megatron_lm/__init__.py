@@ -28,14 +28,15 @@ Where that cannot be, and under ``recovery.mode: restart``, the exit-and-restart
                                     -> every rank exits 84 (torchrun itself then exits 1)
     launcher sees 84 or the ledger  -> runs the same command again
     next start, before the load     -> --load/--ckpt-step = newest healthy iter <= tracker
-                                       iterations_to_skip += incident iterations, lr scaled
+                                       iterations_to_skip += incident iterations (and those
+                                       that read blacklisted samples), lr scaled
     first train_step                -> lr re-applied after the load, rollback_requested cleared
 
 Beside them: ``setup_model_and_optimizer`` (safe mode on retry), ``dummy_train_step`` (the skip of
 an iteration under an interleaved pipeline), and Megatron's rerun machine at its exits 16/17
 (``should_checkpoint_and_exit``, into the ledger) and at a checkpoint load (``load_state_dict``: a
-rerun that would only repeat on the same device is left undone). With Megatron's check off, a
-skipped step's forward pass is replayed (:mod:`.replay`).
+rerun that would only repeat on the same device is left undone). A skipped step is replayed
+(:mod:`.replay`): by the guard with Megatron's check off, by Megatron's rerun in place with it on.
 
 This module wires the wrappers to one session per process; the session hands the ledger's work
 to :mod:`.rollback` and the checkpoint files (markers, per-rank guard state, async
@@ -59,7 +60,7 @@ from ..mindspeed import llm as mindspeed_llm
 from .checkpoints import STATE_DIR, TRACKER_FILE, CheckpointMarks, newest_healthy_iteration, read_tracker, saved_lr_scale, state_file, warn0, write_marker
 from .inprocess import InProcessRollback
 from .poison import PoisonFeed
-from .replay import ForwardReplay, replays_here
+from .replay import ForwardReplay, replay_for
 from .rollback import Rollback, built_model_facts, core_version, skip_iterations, switch_off_for_retry, to_iterations_to_skip
 
 __all__ = [
@@ -87,7 +88,7 @@ class MegatronLMSession(Callback):
         self.marks = CheckpointMarks(monitor)
         monitor.add_callback(self.marks)
         self.replay: Optional[ForwardReplay] = None
-        """Replays a skipped step's forward pass where Megatron's own check is off (:mod:`.replay`)."""
+        """A skipped step's replay, its verdict and cause (:mod:`.replay`)."""
         self.in_process: Optional[InProcessRollback] = None
         """Snapshots and in-process rollbacks (``recovery.mode: in_process``)."""
         self._first_step = True
@@ -134,7 +135,7 @@ class MegatronLMSession(Callback):
         self.rollback.before_load(args, optimizer)
         if in_process:
             self.in_process = InProcessRollback(self.monitor, self.rollback, self.before_step,
-                                                restartable=self.root is not None)
+                                                restartable=self.root is not None, after_step=self.replayed)
 
     # -- around each iteration ------------------------------------------------------------------
 
@@ -150,8 +151,7 @@ class MegatronLMSession(Callback):
             self._first_step = False
             self.marks.after_load(args.load, int(args.iteration))
             self.poison = PoisonFeed(self.monitor, int(args.micro_batch_size))
-            if replays_here(args):
-                self.replay = ForwardReplay(self.monitor, self.blacklist)
+            self.replay = replay_for(args, self.monitor, self.blacklist, lambda: self.positions)
             if self.rollback is not None:
                 self.rollback.after_load(args, optimizer, scheduler)
         if skipped:
@@ -172,6 +172,12 @@ class MegatronLMSession(Callback):
         ledger = self.restart.ledger
         ledger.blacklist = sorted(set(ledger.blacklist) | set(samples))
         recovery.save_in_process(ledger, self.restart.checkpoint_root, collectives.rank())
+
+    def replayed(self, arguments: dict) -> None:
+        """After each ``train_step``, a redone one too: a step the guard skipped is replayed now, on
+        its own batch (its record waits for the outcome)."""
+        if self.replay is not None and self.replay.pending is not None:
+            self.replay.run(arguments, self.positions)
 
     def megatron_exits(self, code: int, state: str) -> None:
         """Megatron's rerun machine ends the job itself with ``code`` (16: resume from the
@@ -221,8 +227,7 @@ class MegatronLMSession(Callback):
     # -- the monitor's events (callbacks.Callback) ----------------------------------------------
 
     def wants_replay(self, decision: Any) -> bool:
-        """With Megatron's own check off, a skipped step's forward pass is replayed after the step
-        (:mod:`.replay`): its record waits for that outcome."""
+        """A skipped step is replayed after the step (:mod:`.replay`): its record waits for that outcome."""
         return self.replay is not None and self.replay.wants(decision)
 
 
@@ -338,8 +343,7 @@ def train_step_wrapper(wrapped, instance, args, kwargs):
         bound.arguments["forward_backward_func"] = fed_schedule(schedule, monitor.state.detectors)
     result = wrapped(*bound.args, **bound.kwargs)
     current.after_step()
-    if current.replay is not None and current.replay.pending is not None:
-        current.replay.run(bound.arguments, current.positions)  # a step the guard skipped: where its forward pass broke
+    current.replayed(bound.arguments)
     if current.in_process is not None:  # a snapshot, or a rollback made here: the redone iteration's result
         result = current.in_process.after_iteration(iteration, wrapped, bound, result)
     return result

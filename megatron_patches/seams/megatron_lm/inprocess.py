@@ -96,17 +96,18 @@ class InProcessRollback(Callback):
     replays = False
 
     def __init__(self, monitor: Guard, rollback: Rollback, before_step: Callable[[Any, Any], None],
-                 counters: Optional[LoopCounters] = None, restartable: bool = True):
-        """``rollback``: the ledger's side of this process (its exit-and-restart executor, and the
-        episode's iterations and samples it collects); ``before_step(optimizer, scheduler)``: what the
-        loop integration does before each ``train_step`` (tell the guard the iteration and batch),
-        run again for each redone one; ``counters``: the loop's (Megatron-LM's by default);
-        ``restartable``: False without a checkpoint directory (no fall-back to a restart then)."""
+                 counters: Optional[LoopCounters] = None, restartable: bool = True,
+                 after_step: Callable[[dict], None] = lambda arguments: None):
+        """``rollback``: the ledger's side of this process (its exit-and-restart executor, and the episode's
+        iterations and samples it collects); ``before_step(optimizer, scheduler)`` and ``after_step(arguments)``:
+        what the loop integration does before and after each ``train_step`` (tell the guard the iteration and
+        batch; a skipped step's replay), again for each redone one; ``counters``: the loop's (Megatron-LM's
+        by default); ``restartable``: False without a checkpoint directory (no fall-back to a restart then)."""
         self.monitor = monitor
         self.counters = counters or LoopCounters()
         self.rollback = rollback
         self.restart = rollback.restart
-        self.before_step = before_step
+        self.before_step, self.after_step = before_step, after_step
         self.restartable = restartable
         self.config = monitor.state.config.recovery
         self.ledger_path = self.restart.ledger_path
@@ -241,8 +242,7 @@ class InProcessRollback(Callback):
 
 
 class LiveLoop:
-    """What the recovery steps ask of the loop (:class:`~megatron_patches.recovery.TrainingLoop`),
-    done on the live Megatron-LM objects of the call in flight."""
+    """What the recovery steps ask of the loop (:class:`~megatron_patches.recovery.TrainingLoop`), on the live objects."""
 
     def __init__(self, run: InProcessRollback):
         self.run = run
@@ -365,6 +365,7 @@ def redo(run: InProcessRollback, episode: Episode) -> Episode:
             if "iteration" in arguments:
                 arguments["iteration"] = iteration - 1
             run._result = wrapped(**arguments)
+            run.after_step(arguments)  # before the decision is taken, as after a live train_step
             redone += 1
             _log_redone(iteration, counters.total(), run._result)
             again = run.monitor.take_decision()
@@ -384,8 +385,7 @@ def redo(run: InProcessRollback, episode: Episode) -> Episode:
 
 
 def _log_redone(iteration: int, total: int, result: Any) -> None:
-    """Each redone iteration's losses, on the rank that prints Megatron's training log (the last),
-    in its format: ``train()`` logged the faulty first run of these iterations, not the redo."""
+    """Each redone iteration's losses in Megatron's log format, on its printing rank (the last): ``train()`` logged the faulty first run."""
     if collectives.rank() != collectives.world_size() - 1 or not isinstance(result, tuple) or not result:
         return
     losses = result[0] if isinstance(result[0], dict) else {}

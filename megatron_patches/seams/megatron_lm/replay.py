@@ -1,23 +1,28 @@
-"""The forward origin in Megatron-LM's loop when Megatron's own check is off.
+"""A skipped step's replay in Megatron-LM's loop: which samples reproduce the fault, and its cause.
 
-With ``--check-for-nan-in-loss-and-grad`` (Megatron's default) a non-finite loss makes Megatron
-rerun the step in place, and the guard watches that rerun's forward pass
-(:mod:`.rerun_machine`). With ``--no-check-for-nan-in-loss-and-grad`` nothing reruns: every
-gradient goes non-finite, the guard skips the step, and which module broke first was unknown.
+With ``--no-check-for-nan-in-loss-and-grad`` nothing reruns: every gradient goes non-finite, the
+guard skips the step, and which module broke first was unknown. :class:`ForwardReplay` replays
+the step's forward pass itself, once the skipped ``train_step`` has returned: Megatron's
+``RerunDataIterator`` still holds the step's micro-batches (it keeps them while the rerun mode is
+not ``disabled``), so they are rewound and run through Megatron's own schedule with
+``forward_only=True`` under :class:`~megatron_patches.forward_origin.ForwardTrace`; no backward, no
+update, and the next step's ``advance()`` drops the micro-batches as usual. The incident's record
+waits for the replay and carries its ``forward_origin``.
 
-Here the guard replays the step's forward pass itself, once the skipped ``train_step`` has
-returned: Megatron's ``RerunDataIterator`` still holds the step's micro-batches (it keeps them
-while the rerun mode is not ``disabled``), so they are rewound and run through Megatron's own
-schedule with ``forward_only=True`` under :class:`~megatron_patches.forward_origin.ForwardTrace`;
-no backward, no update, and the next step's ``advance()`` drops the micro-batches as usual. The
-incident's record waits for the replay and carries its ``forward_origin``. Where the replay's
-per-sample loss goes non-finite again on some rows (:class:`.poison.RowWatch`), the
-same batch reproduced the fault: the verdict is ``deterministic``, the cause is classed with it
-(``data`` where nothing else explains it) and, for data, those samples are blacklisted in the
-ledger. A replay whose losses stay finite gives no verdict: a forward pass alone cannot clear a
-gradient or a reduction. Only on a step the
-guard skipped (a warning): a rollback or a stop ends the process inside the step, before this.
-A clean step costs nothing.
+With ``--check-for-nan-in-loss-and-grad`` (Megatron's default) a non-finite loss or bucket norm
+makes Megatron rerun the step in place before the guard's check (:mod:`..rerun_machine`): that
+rerun is the replay, and a second one would only repeat it. :class:`RerunRows` watches its
+per-sample losses (the guard's events ``before_rerun``/``after_rerun``), and after the skipped
+step turns what the rerun saw into the same verdict: rows non-finite again -> ``deterministic``;
+none, and Megatron found what it rejected finite on rerunning -> ``transient`` (a replay of the
+step on the same ranks from the same state and batch was clean).
+
+Either way, where the per-sample loss went non-finite again on some rows (:class:`.poison.RowWatch`)
+the same batch reproduced the fault: the cause is classed with that verdict (``data`` where nothing
+else explains it) and, for data, those samples are blacklisted in the ledger. A forward pass whose
+losses stay finite gives no ``deterministic`` verdict: it cannot clear a gradient or a reduction.
+Only on a step the guard skipped: a rollback or a stop ends the process inside the step, before
+this. A clean step costs nothing.
 """
 
 from __future__ import annotations
@@ -28,22 +33,28 @@ from typing import Any, Callable, Optional
 import torch
 
 from ... import collectives
+from ...callbacks import Callback
 from ...cause import Signs, classify
 from ...decisions import Action, Decision
 from ...forward_origin import ForwardTrace, gather_origin
 from ...incidents import Outcome
 from ...protocols import Guard
 from ..parallel import parallel_state
+from ..rerun_machine import TRANSIENT
 from .poison import RowWatch, reproduced_verdict
 
 log = logging.getLogger("megatron_patches")
 
 
-def replays_here(args: Any) -> bool:
-    """Whether this loop's skipped steps are replayed: Megatron's check off (else its rerun in
-    place watches the forward pass) and its rerun machine keeping micro-batches (mode not disabled)."""
-    return (not getattr(args, "check_for_nan_in_loss_and_grad", True)
-            and getattr(args, "rerun_mode", "validate_results") != "disabled")
+def replay_for(args: Any, monitor: Guard, blacklist: Callable[[list], None],
+               positions: Callable[[], tuple]) -> Optional["ForwardReplay"]:
+    """This loop's replay of skipped steps, or None: none where Megatron's rerun machine keeps no
+    micro-batches (``--rerun-mode disabled``) or does not rerun them (another mode with its check
+    on); ``positions()``: the dataset positions this rank reads in the iteration running."""
+    mode = getattr(args, "rerun_mode", "validate_results")
+    if not getattr(args, "check_for_nan_in_loss_and_grad", True):
+        return ForwardReplay(monitor, blacklist) if mode != "disabled" else None
+    return RerunRows(monitor, blacklist, positions) if mode == "validate_results" else None
 
 
 class ForwardReplay:
@@ -75,6 +86,12 @@ class ForwardReplay:
         except Exception as error:  # the record still goes out, without an origin
             log.warning("step %d: the forward replay failed (%s: %s); the record names no forward origin",
                         step, type(error).__name__, error)
+        self.resolve(step, verdict, forward)
+
+    def resolve(self, step: int, verdict: Optional[dict], forward: Optional[dict] = None) -> None:
+        """Every rank: the held record of ``step`` published with the replay's ``verdict`` (its
+        ``samples``: the positions that reproduced it) and the cause it supports; samples a data or
+        unknown cause blames go to ``blacklist``."""
         if verdict is None:
             self.monitor.resolve(Outcome(forward_origin=forward))
             return
@@ -83,6 +100,9 @@ class ForwardReplay:
         blamed = tuple(samples) if cause.klass in ("data", "unknown") else ()
         if blamed and self.blacklist is not None:
             self.blacklist(list(blamed))
+        if blamed and collectives.rank() == 0:
+            log.warning("step %d: sample(s) %s reproduced the fault in the replay: cause %s (%s), blacklisted",
+                        step, list(blamed), cause.klass, cause.confidence)
         self.monitor.resolve(Outcome(forward_origin=forward, replay=verdict, cause=cause, blacklisted=blamed))
 
     def _replay(self, step: int, bound: dict, positions: list) -> tuple[Optional[dict], Optional[dict]]:
@@ -117,3 +137,65 @@ class ForwardReplay:
             verdict = reproduced_verdict([p for bad, _ in everyone for p in bad],
                                          len({p for _, fed in everyone for p in fed}))
         return forward, collectives.broadcast_from_zero(verdict, self.monitor.state.peers)
+
+
+class RerunRows(ForwardReplay, Callback):
+    """With Megatron's check on: its rerun in place of a checked step is the replay. Every rank
+    watches the per-sample losses of that rerun (:class:`.poison.RowWatch`) and keeps Megatron's
+    verdict on what it rejected; a skipped step's held record is then published with the verdict
+    of all ranks together (:func:`rerun_verdict`), no step run again."""
+
+    def __init__(self, monitor: Guard, blacklist: Callable[[list], None], positions: Callable[[], tuple]):
+        super().__init__(monitor, blacklist)
+        self.positions = positions
+        self._watch: Optional[tuple[int, RowWatch]] = None
+        self._seen: Optional[tuple[int, tuple]] = None
+        """(step, (this rank's positions non-finite in the rerun, positions fed, Megatron's verdict))."""
+        monitor.add_callback(self)
+
+    def before_rerun(self, step: int) -> None:
+        from megatron.training import get_args
+
+        self._seen = None
+        chunks = self.monitor.state.model_chunks.modules()
+        self._watch = (step, RowWatch(chunks, list(self.positions()), int(get_args().micro_batch_size)))
+
+    def after_rerun(self, step: int, verdict: Optional[str]) -> None:
+        if self._watch is None:
+            return
+        (started, rows), self._watch = self._watch, None
+        rows.close()
+        if started == step:
+            self._seen = (step, (sorted(rows.bad), list(rows.positions), verdict))
+
+    def wants(self, decision: Decision) -> bool:
+        """A skipped step that Megatron reran in place (every rank alike: its rerun is agreed on)."""
+        return self._seen is not None and self._seen[0] == decision.step and super().wants(decision)
+
+    def run(self, bound: dict, positions: tuple = ()) -> None:
+        step, self.pending = self.pending, None
+        seen, self._seen = self._seen[1], None
+        verdict = None
+        try:
+            everyone = collectives.gather_to_zero(seen, self.monitor.state.peers)
+            verdict = collectives.broadcast_from_zero(rerun_verdict(everyone) if everyone else None,
+                                                      self.monitor.state.peers)
+        except Exception as error:  # the record still goes out, without a verdict
+            log.warning("step %d: the rows of Megatron's rerun could not be gathered (%s: %s); the record has no "
+                        "replay verdict", step, type(error).__name__, error)
+        self.resolve(step, verdict)
+
+
+def rerun_verdict(everyone: list) -> Optional[dict]:
+    """Rank 0: the replay verdict of Megatron's rerun in place from every rank's (positions whose
+    loss was non-finite in the rerun, positions fed, Megatron's verdict there or None): rows that
+    reproduced it make it ``deterministic`` (:func:`.poison.reproduced_verdict`); none, and Megatron
+    found on rerunning that what it rejected was finite, ``transient``; else None (a rerun that
+    reproduced a gradient, never a sample's loss, names no sample)."""
+    bad = [p for rows, _, _ in everyone for p in rows]
+    fed = {p for _, positions, _ in everyone for p in positions}
+    found = reproduced_verdict(bad, len(fed))
+    verdicts = {verdict for _, _, verdict in everyone if verdict}
+    if found is None and verdicts == {TRANSIENT}:
+        return {"verdict": "transient", "narrowed": False, "samples": []}
+    return found

@@ -4,7 +4,8 @@ at a rollback exit.
 
 At start-up, before the checkpoint load, the ledger next to ``--save`` decides:
 
-- ``args.iterations_to_skip`` += the iterations earlier rollbacks asked to skip;
+- ``args.iterations_to_skip`` += the iterations earlier rollbacks asked to skip, and those that
+  read a sample the ledger blacklists (:func:`blacklisted_iterations`);
 - the learning rate (``args.lr``/``min_lr``/``lr_warmup_init``, with
   ``--override-opt_param-scheduler`` semantics) scaled by the ledger's ``lr_scale``; each param
   group's ``max_lr``/``min_lr`` only after the load, as the optimizer finds its saved groups by
@@ -43,6 +44,20 @@ def to_iterations_to_skip(logged: list, core_version: tuple) -> list:
 def skip_iterations(ledger: Any) -> list:
     """Every iteration (as logged) a rollback of this job asked to skip, from the ledger's events."""
     return sorted({int(i) for event in ledger.events for i in event.get("skip_iterations", [])})
+
+
+def blacklisted_iterations(blacklist: list, args: Any) -> list:
+    """The iterations (as logged) that read a position of ``blacklist``. Known for the ``single``
+    data loader with a constant global batch (Megatron's defaults): iteration ``k`` reads positions
+    ``(k - 1) * global_batch .. k * global_batch - 1``, skipped iterations included (Megatron's
+    loop counts their samples consumed). Elsewhere none, with one line (rank 0)."""
+    if not blacklist:
+        return []
+    if getattr(args, "dataloader_type", "single") != "single" or getattr(args, "rampup_batch_size", None):
+        warn0("ledger: blacklisted samples %s are not left out on this start: the iterations that read them are "
+              "known only for --dataloader-type single without --rampup-batch-size", blacklist)
+        return []
+    return sorted({int(sample) // int(args.global_batch_size) + 1 for sample in blacklist})
 
 
 def switch_off_for_retry(args: Any) -> list:
@@ -134,12 +149,13 @@ class Rollback(Callback):
     def before_load(self, args: Any, optimizer: Any) -> None:
         """Megatron's args and the optimizer as the ledger asks, before the checkpoint load."""
         ledger = self.restart.ledger
-        skips = skip_iterations(ledger)
+        reading = blacklisted_iterations(ledger.blacklist, args)
+        skips = sorted(set(skip_iterations(ledger)) | set(reading))
         if skips:
             entries = to_iterations_to_skip(skips, core_version())
             args.iterations_to_skip = sorted(set(args.iterations_to_skip or []) | set(entries))
-            warn0("ledger %s: skipping iterations %s (args.iterations_to_skip=%s)",
-                  self.root, skips, args.iterations_to_skip)
+            warn0("ledger %s: skipping iterations %s (args.iterations_to_skip=%s)%s", self.root, skips,
+                  args.iterations_to_skip, f"; {reading} read blacklisted samples {ledger.blacklist}" if reading else "")
         if ledger.lr_scale != 1.0:
             self._scale_lr(args, optimizer, ledger.lr_scale)
         if ledger.rollback_requested:
