@@ -2,6 +2,7 @@
 the rotation covers every held element once per turn, a non-finite or far-off slice is flagged and
 named by parameter and tensor, a clean update is not, and certification waits for a full turn."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -134,6 +135,48 @@ def test_after_a_rollback_target_is_taken_the_next_check_reads_all_of_the_held_s
     n, kinds, found = check(detector, 12)
     assert (n, kinds) == (1, [OFF]) and found[0].reasons == ["held:exp_avg_sq"] and found[0].inf == 1
     assert check(detector, 13)[0] == 0  # then back to the rotation: the second turn's slices
+
+
+def test_a_whole_read_on_the_same_turn_each_time_still_gives_that_turn_a_baseline():
+    """Checkpoints every ``period`` checks make each whole read land on one turn: that turn's slices
+    are then only ever read whole, so the whole read must set their baseline (it once did not: a
+    x1000 there passed for good)."""
+    optimizer, entries = adam_with_state()
+    detector = HeldStateCheck(SETTINGS)
+    detector.after_update(optimizer, entries, True)
+    for step in range(1, 21):
+        if step % 5 == 2:  # turn 1's checks are all whole reads
+            detector.target_taken()
+        assert check(detector, step)[:2] == (0, []), step
+    exp_avg = optimizer.state[entries[0].main]["exp_avg"].view(-1)
+    with torch.no_grad():
+        exp_avg[exp_avg.numel() // 5:2 * exp_avg.numel() // 5].mul_(1000.0)  # turn 1's slice alone
+    assert [check(detector, step)[0] for step in (21,)] == [0]  # turn 0: not that slice
+    detector.target_taken()
+    n, kinds, found = check(detector, 22)
+    assert (n, kinds) == (1, [OFF]) and found[0].reasons == ["off:exp_avg"]
+
+
+def test_a_restarted_check_keeps_its_count_and_baselines_and_judges_ratios_at_once():
+    """A resume or a branch from a checkpoint: the loaded check is past its warm-up with the saved
+    turns' baselines, so a x1000 just after the load is flagged; a fresh one (nothing loaded) warms
+    up again for ``warmup_steps`` checks and lets it pass."""
+    settings = Config.from_dict({}).detectors.state  # the defaults: a warm-up of 20 checks
+    optimizer, entries = adam_with_state()
+    detector = HeldStateCheck(settings)
+    detector.after_update(optimizer, entries, True)
+    for step in range(1, 27):
+        check(detector, step)
+    saved = json.loads(json.dumps(detector.state_dict()))  # a checkpoint writes it as JSON
+    assert saved["checks"] == 26 and all(len(p) > 0 for p in saved["previous"])
+    with torch.no_grad():
+        optimizer.state[entries[0].main]["exp_avg"].mul_(1000.0)
+    for load, expected in ((True, 1), (False, 0)):
+        restarted = HeldStateCheck(settings)
+        if load:
+            restarted.load_state_dict(saved)
+        restarted.after_update(optimizer, entries, True)
+        assert check(restarted, 27)[0] == expected
 
 
 @pytest.mark.parametrize("key, value, message", [
