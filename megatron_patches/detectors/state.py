@@ -223,7 +223,8 @@ class HeldStateCheck(Detector):
     def load_state_dict(self, state: dict) -> None:
         if not state:
             return
-        self._checks = int(state.get("checks", 0))
+        # A rollback in this process keeps its count (the rotation goes on); a fresh process takes the saved one.
+        self._checks = max(self._checks, int(state.get("checks", 0)))
         self._loaded, self._slices, self._pending = state.get("previous") or None, None, None
 
     def _restore(self, slices: _Slices) -> None:
