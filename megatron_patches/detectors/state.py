@@ -11,9 +11,9 @@ check reads one slice of every tensor (the same slice index throughout): its lar
 one ``_foreach_norm`` over the slices (one fused read of 1/period of the held state; NaN and Inf
 propagate into it). A slice is flagged when that is non-finite, or when it stands more than
 ``ratio`` times above the same slice's at the check a period ago (``ratio`` squared for
-``exp_avg_sq``, which holds squares). One float joins the guard's one all-reduce (slices flagged,
-summed over the job); the flagged tensors are named on the slow path by the rank holding them,
-with reasons ``held:<what>`` (non-finite) or ``off:<what>`` (far above). So every held element
+``exp_avg_sq``, which holds squares; ``weight_ratio`` for a weight, which moves far less). One
+float joins the guard's one all-reduce (slices flagged, summed over the job); the flagged
+tensors are named on the slow path by the rank holding them, with reasons ``held:<what>`` (non-finite) or ``off:<what>`` (far above). So every held element
 is read once in ``period`` checks, and a lasting fault is found within ``period`` checked steps.
 A whole read (below) is every turn's baseline. The checks counted and the baselines travel in the
 guard's checkpoint state, so a resumed job or a branch from a checkpoint judges ratios from its
@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 
-from .. import naming
+from .. import collectives, naming
 from ..collectives import local_shard
 from ..faults import held_tensors, optimizer_states
 from ..incidents import ParamFinding
@@ -54,10 +54,11 @@ class _Slices:
     """The held tensors of one optimizer, each cut into ``period`` slices, kept between checks
     (built with per-tensor calls once, not per check) with the identities they were cut from."""
 
-    def __init__(self, optimizer: Any, entries: list, period: int, key: tuple, ratio: float):
+    def __init__(self, optimizer: Any, entries: list, period: int, key: tuple, cfg: Any):
         self.key = key
         self.owners: list = []  # (entry index, what) per held tensor
-        exponents: list = []  # the ratio's exponent per held tensor (2 for exp_avg_sq)
+        ratios: list = []  # the ratio limit per held tensor
+        limit = {"weight": cfg.weight_ratio, "exp_avg_sq": cfg.ratio ** 2}
         self.turns: list = [[] for _ in range(period)]
         self.used: list = [[] for _ in range(period)]  # indices into owners of each turn's slices
         states = optimizer_states(optimizer)
@@ -70,7 +71,7 @@ class _Slices:
                     continue
                 index = len(self.owners)
                 self.owners.append((i, what))
-                exponents.append(2.0 if what == "exp_avg_sq" else 1.0)
+                ratios.append(limit.get(what, cfg.ratio))
                 n = flat.numel()
                 for turn in range(period):
                     piece = flat[turn * n // period:(turn + 1) * n // period]
@@ -79,7 +80,7 @@ class _Slices:
                         self.used[turn].append(index)
         self.every = [piece for turn in self.turns for piece in turn]
         self.every_used = [index for used in self.used for index in used]
-        self.limits = [torch.tensor([ratio ** exponents[i] for i in used], device=turn[0].device) if turn else None
+        self.limits = [torch.tensor([ratios[i] for i in used], device=turn[0].device) if turn else None
                        for turn, used in zip(self.turns, self.used)]
         """Per turn, each slice's ratio limit; beside it the baselines start at +Inf (nothing is far
         above them: until the warm-up is over, only a non-finite value is flagged)."""
@@ -135,7 +136,7 @@ class HeldStateCheck(Detector):
             return None
         key = _identity(optimizer, self._entries)
         if self._slices is None or self._slices.key != key:
-            self._slices = _Slices(optimizer, self._entries, self.period, key, self.cfg.ratio)
+            self._slices = _Slices(optimizer, self._entries, self.period, key, self.cfg)
             self._restore(self._slices)
         return self._slices
 
@@ -216,7 +217,7 @@ class HeldStateCheck(Detector):
         a branch from a checkpoint judges ratios at once instead of warming up again; read on the
         host when a checkpoint is written, never on a checked step."""
         previous = self._slices.previous if self._slices is not None else self._loaded or []
-        return {"checks": self._checks,
+        return {"checks": self._checks, "rank": collectives.rank(),
                 "previous": [p.tolist() if torch.is_tensor(p) and bool(torch.isfinite(p).all()) else
                              p if isinstance(p, list) else None for p in previous]}
 
@@ -225,7 +226,10 @@ class HeldStateCheck(Detector):
             return
         # A rollback in this process keeps its count (the rotation goes on); a fresh process takes the saved one.
         self._checks = max(self._checks, int(state.get("checks", 0)))
-        self._loaded, self._slices, self._pending = state.get("previous") or None, None, None
+        # Baselines are this rank's own slices: a loop that stores one rank's guard state for all
+        # (the harness's common checkpoint part) must not give them to another rank's shards.
+        mine = state.get("rank", collectives.rank()) == collectives.rank()
+        self._loaded, self._slices, self._pending = (state.get("previous") if mine else None) or None, None, None
 
     def _restore(self, slices: _Slices) -> None:
         """Loaded baselines onto freshly cut slices, turn by turn where the counts match (the same

@@ -1,8 +1,10 @@
 """Lasting faults in what a rank holds, found with the defaults (issue 56): an Adam first moment
-x1000 and a second moment set to Inf on rank 0 are found by the held-state check within one turn
-of its rotation, named (parameter, tensor, rank), classed hardware with nothing blacklisted, and
-rolled back to a checkpoint the check had read in full and clean; the state after the rollback equals the clean
-twin's bit for bit (``lr_factor: 1``). With the check off the same faults pass and stay in the state.
+x1000, a second moment set to Inf and one weight element x1000 on rank 0 are found by the
+held-state check within one turn of its rotation, named (parameter, tensor, rank), classed hardware
+with nothing blacklisted, and rolled back to a checkpoint the check had read in full and clean; the
+state after the rollback equals the clean twin's bit for bit (``lr_factor: 1``). A job resumed from
+a checkpoint judges the fault two steps after the resume against the baselines it carried. With the
+check off the same faults pass and stay in the state.
 
 One training per case, shared by the assertions on it (module-scoped fixtures)."""
 
@@ -20,6 +22,8 @@ AT = 30
 DRILLS = {  # drill -> what the record must name
     f"scale:step={AT},phase=state,slot=exp_avg,param={FC1},rank=0,factor=1000": "off:exp_avg",
     f"inf:step={AT},phase=state,slot=exp_avg_sq,param={FC1},rank=0": "held:exp_avg_sq",
+    # One weight element x1000: its slice's largest rises past weight_ratio (10), not the moments' 100.
+    f"scale:step={AT},phase=param,param={FC1},rank=0,scope=element,seed=1234,factor=1000": "off:weight",
 }
 ONLY_ROLLBACK_TO_BE_SAME = "recovery: {lr_factor: 1.0}\nscene: {enabled: false}\n"
 RUN = ("--steps", "40", "--save-interval", "4", "--branch-dump")

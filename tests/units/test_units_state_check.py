@@ -87,6 +87,24 @@ def test_a_corrupted_held_tensor_is_flagged_within_a_turn_and_named_by_parameter
         assert found[0].nan + found[0].inf == 1
 
 
+@pytest.mark.parametrize("weight_ratio, flagged", [(10.0, True), (50.0, False)])
+def test_a_weight_element_that_lifts_its_slice_30_fold_is_flagged_by_the_weights_own_ratio(weight_ratio, flagged):
+    """A weight moves by about the learning rate a step: its slices are judged against
+    ``weight_ratio`` (10), far below the moments' ``ratio`` (100), so one element x1000 of a
+    typical value (its slice's largest 30 times higher) is found; with a looser ratio it passes."""
+    settings = Config.from_dict({"detectors": {"state": {"warmup_steps": 1, "weight_ratio": weight_ratio}}}).detectors.state
+    optimizer, entries = adam_with_state()
+    detector = HeldStateCheck(settings)
+    detector.after_update(optimizer, entries, True)
+    for step in range(1, 11):
+        assert check(detector, step)[:2] == (0, [])
+    weight = entries[0].main.detach().view(-1)
+    with torch.no_grad():
+        weight[-1] = 30 * weight[4 * weight.numel() // 5:].abs().max()  # in the last turn's slice
+    hits = [found for step in range(11, 16) for n, _, found in [check(detector, step)] if n]
+    assert ([[f.reasons for f in found] for found in hits] == [[["off:weight"]]]) == flagged, hits
+
+
 def test_clean_updates_a_zero_baseline_and_a_replay_flag_nothing():
     optimizer, entries = adam_with_state()
     detector = HeldStateCheck(SETTINGS)
@@ -168,13 +186,14 @@ def test_a_restarted_check_keeps_its_count_and_baselines_and_judges_ratios_at_on
     for step in range(1, 27):
         check(detector, step)
     saved = json.loads(json.dumps(detector.state_dict()))  # a checkpoint writes it as JSON
-    assert saved["checks"] == 26 and all(len(p) > 0 for p in saved["previous"])
+    assert (saved["checks"], saved["rank"]) == (26, 0) and all(len(p) > 0 for p in saved["previous"])
     with torch.no_grad():
         optimizer.state[entries[0].main]["exp_avg"].mul_(1000.0)
-    for load, expected in ((True, 1), (False, 0)):
+    # Another rank's baselines (a loop that stores one rank's guard state for all) are not taken.
+    for load, expected in ((saved, 1), (None, 0), ({**saved, "rank": 1}, 0)):
         restarted = HeldStateCheck(settings)
         if load:
-            restarted.load_state_dict(saved)
+            restarted.load_state_dict(load)
         restarted.after_update(optimizer, entries, True)
         assert check(restarted, 27)[0] == expected
 
@@ -182,6 +201,7 @@ def test_a_restarted_check_keeps_its_count_and_baselines_and_judges_ratios_at_on
 @pytest.mark.parametrize("key, value, message", [
     ("fraction", 0, "`detectors.state.fraction` must be > 0 and <= 1, got 0"),
     ("ratio", 1, "`detectors.state.ratio` must be > 1, got 1"),
+    ("weight_ratio", 0.5, "`detectors.state.weight_ratio` must be > 1, got 0.5"),
 ])
 def test_a_wrong_setting_is_one_line_naming_the_key(key, value, message):
     with pytest.raises(ConfigError) as error:
