@@ -13,8 +13,9 @@ propagate into it). A slice is flagged when that is non-finite, or when it stand
 ``ratio`` times above the same slice's at the check a period ago (``ratio`` squared for
 ``exp_avg_sq``, which holds squares; ``weight_ratio`` for a weight, which moves far less). One
 float joins the guard's one all-reduce (slices flagged, summed over the job); the flagged
-tensors are named on the slow path by the rank holding them, with reasons ``held:<what>`` (non-finite) or ``off:<what>`` (far above). So every held element
-is read once in ``period`` checks, and a lasting fault is found within ``period`` checked steps.
+tensors are named on the slow path by the rank holding them, with reasons ``held:<what>``
+(non-finite) or ``off:<what>`` (far above). So every held element is read once in ``period``
+checks, and a lasting fault is found within ``period`` checked steps.
 A whole read (below) is every turn's baseline. The checks counted and the baselines travel in the
 guard's checkpoint state, so a resumed job or a branch from a checkpoint judges ratios from its
 first check instead of warming up again (and taking its first baselines from a state that may

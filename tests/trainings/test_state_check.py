@@ -101,7 +101,8 @@ def resumed(tmp_path_factory):
     out = {}
     for name, state in (("on", True), ("off", False)):
         shutil.copytree(first.out, base / name / "out")
-        (base / name / "guard.yaml").write_text(ONLY_ROLLBACK_TO_BE_SAME + ("" if state else "detectors: {state: {enabled: false}}\n"))
+        off = "" if state else "detectors: {state: {enabled: false}}\n"
+        (base / name / "guard.yaml").write_text(ONLY_ROLLBACK_TO_BE_SAME + off)
         out[name] = run_tiny(base / name / "out", *RUN, "--resume", "--config", str(base / name / "guard.yaml"),
                              "--inject", RESUMED_DRILL)
     return out

@@ -92,7 +92,8 @@ def test_a_weight_element_that_lifts_its_slice_30_fold_is_flagged_by_the_weights
     """A weight moves by about the learning rate a step: its slices are judged against
     ``weight_ratio`` (10), far below the moments' ``ratio`` (100), so one element x1000 of a
     typical value (its slice's largest 30 times higher) is found; with a looser ratio it passes."""
-    settings = Config.from_dict({"detectors": {"state": {"warmup_steps": 1, "weight_ratio": weight_ratio}}}).detectors.state
+    state = {"warmup_steps": 1, "weight_ratio": weight_ratio}
+    settings = Config.from_dict({"detectors": {"state": state}}).detectors.state
     optimizer, entries = adam_with_state()
     detector = HeldStateCheck(settings)
     detector.after_update(optimizer, entries, True)
