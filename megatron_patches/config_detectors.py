@@ -126,7 +126,7 @@ class StateConfig:
     per check (their largest magnitude, one fused read): a slice non-finite, or far above the same
     slice a full turn before, is an incident naming the parameter, the tensor (weight, exp_avg,
     exp_avg_sq) and the rank that holds it, found within 1/``fraction`` checked steps; snapshots and
-    checkpoints are rollback targets only once a full turn of clean checks read them
+    checkpoints are rollback targets only once a check after them read them in full
     (docs/detectors.md, "state")."""
     fraction: float = field(default=0.2, metadata={"check": check.share})
     """Share of every held tensor read per check (0.2: each element once in 5 checks, 0.2 of the
@@ -134,6 +134,11 @@ class StateConfig:
     ratio: float = field(default=100.0, metadata={"check": check.above_one})
     """Flag a slice whose largest magnitude is more than this many times the same slice's at its
     previous check (this squared for exp_avg_sq, which holds squares of gradients)."""
+    weight_ratio: float = field(default=10.0, metadata={"check": check.above_one})
+    """The same for a slice of a weight (its main copy or shard under mixed precision or the
+    distributed optimizer): a weight moves by about the learning rate per step, far less than its
+    moments do, so one element x1000 that lifts its slice's largest magnitude more than 10-fold is
+    found."""
     warmup_steps: int = field(default=20, metadata={"check": check.at_least_one})
     """Checks before a slice's largest magnitude becomes a baseline for the ratio (Adam's moments
     grow from zero, and the gradients with them, over the first steps); non-finite values are

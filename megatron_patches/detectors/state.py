@@ -11,10 +11,15 @@ check reads one slice of every tensor (the same slice index throughout): its lar
 one ``_foreach_norm`` over the slices (one fused read of 1/period of the held state; NaN and Inf
 propagate into it). A slice is flagged when that is non-finite, or when it stands more than
 ``ratio`` times above the same slice's at the check a period ago (``ratio`` squared for
-``exp_avg_sq``, which holds squares). One float joins the guard's one all-reduce (slices flagged,
-summed over the job); the flagged tensors are named on the slow path by the rank holding them,
-with reasons ``held:<what>`` (non-finite) or ``off:<what>`` (far above). So every held element
-is read once in ``period`` checks, and a lasting fault is found within ``period`` checked steps.
+``exp_avg_sq``, which holds squares; ``weight_ratio`` for a weight, which moves far less). One
+float joins the guard's one all-reduce (slices flagged, summed over the job); the flagged
+tensors are named on the slow path by the rank holding them, with reasons ``held:<what>``
+(non-finite) or ``off:<what>`` (far above). So every held element is read once in ``period``
+checks, and a lasting fault is found within ``period`` checked steps.
+A whole read (below) is every turn's baseline. The checks counted and the baselines travel in the
+guard's checkpoint state, so a resumed job or a branch from a checkpoint judges ratios from its
+first check instead of warming up again (and taking its first baselines from a state that may
+already be corrupted).
 
 Certification follows: when the loop takes a rollback target (an in-memory snapshot, a
 checkpoint: :meth:`HeldStateCheck.target_taken`), the next check reads every slice at once, and a
@@ -31,7 +36,7 @@ from typing import Any, Optional
 
 import torch
 
-from .. import naming
+from .. import collectives, naming
 from ..collectives import local_shard
 from ..faults import held_tensors, optimizer_states
 from ..incidents import ParamFinding
@@ -50,10 +55,11 @@ class _Slices:
     """The held tensors of one optimizer, each cut into ``period`` slices, kept between checks
     (built with per-tensor calls once, not per check) with the identities they were cut from."""
 
-    def __init__(self, optimizer: Any, entries: list, period: int, key: tuple, ratio: float):
+    def __init__(self, optimizer: Any, entries: list, period: int, key: tuple, cfg: Any):
         self.key = key
         self.owners: list = []  # (entry index, what) per held tensor
-        exponents: list = []  # the ratio's exponent per held tensor (2 for exp_avg_sq)
+        ratios: list = []  # the ratio limit per held tensor
+        limit = {"weight": cfg.weight_ratio, "exp_avg_sq": cfg.ratio ** 2}
         self.turns: list = [[] for _ in range(period)]
         self.used: list = [[] for _ in range(period)]  # indices into owners of each turn's slices
         states = optimizer_states(optimizer)
@@ -66,7 +72,7 @@ class _Slices:
                     continue
                 index = len(self.owners)
                 self.owners.append((i, what))
-                exponents.append(2.0 if what == "exp_avg_sq" else 1.0)
+                ratios.append(limit.get(what, cfg.ratio))
                 n = flat.numel()
                 for turn in range(period):
                     piece = flat[turn * n // period:(turn + 1) * n // period]
@@ -75,7 +81,7 @@ class _Slices:
                         self.used[turn].append(index)
         self.every = [piece for turn in self.turns for piece in turn]
         self.every_used = [index for used in self.used for index in used]
-        self.limits = [torch.tensor([ratio ** exponents[i] for i in used], device=turn[0].device) if turn else None
+        self.limits = [torch.tensor([ratios[i] for i in used], device=turn[0].device) if turn else None
                        for turn, used in zip(self.turns, self.used)]
         """Per turn, each slice's ratio limit; beside it the baselines start at +Inf (nothing is far
         above them: until the warm-up is over, only a non-finite value is flagged)."""
@@ -105,6 +111,7 @@ class HeldStateCheck(Detector):
         self._checks = 0
         self._pending: Optional[tuple] = None  # (turn or None: all, largest magnitudes, flagged per slice)
         self._whole = False  # a rollback target was taken: the next check reads every slice
+        self._loaded: Optional[list] = None  # baselines from a checkpoint, for the next slices cut
 
     def width(self) -> int:
         return 1
@@ -130,7 +137,8 @@ class HeldStateCheck(Detector):
             return None
         key = _identity(optimizer, self._entries)
         if self._slices is None or self._slices.key != key:
-            self._slices = _Slices(optimizer, self._entries, self.period, key, self.cfg.ratio)
+            self._slices = _Slices(optimizer, self._entries, self.period, key, self.cfg)
+            self._restore(self._slices)
         return self._slices
 
     def local(self, ctx: CheckContext, out: torch.Tensor) -> None:
@@ -164,8 +172,13 @@ class HeldStateCheck(Detector):
         over (Adam's moments grow from zero over the first steps); a flagged one's never."""
         if accepted and self._pending is not None and not ctx.replay and self._checks > self.cfg.warmup_steps:
             turn, largest, _ = self._pending
-            if turn is not None:  # a whole read leaves the turns' baselines as they are
+            if turn is not None:
                 self._slices.previous[turn] = largest
+            else:  # a whole read is every turn's baseline (else a turn it always lands on has none)
+                lengths = [len(used) for used in self._slices.used]
+                for k, part in enumerate(torch.split(largest, lengths)):
+                    if lengths[k]:
+                        self._slices.previous[k] = part
         if not ctx.replay:
             self._pending = None
 
@@ -190,13 +203,45 @@ class HeldStateCheck(Detector):
             if (nan or inf) and ctx.entries:  # the slow path's own read of the held state names these
                 continue
             slot = found.setdefault(entry_index, {"reasons": [], "nan": 0, "inf": 0})
-            slot["reasons"].append(f"{'held' if nan or inf else 'off'}:{what}")
+            reason = f"{'held' if nan or inf else 'off'}:{what}"
+            if reason not in slot["reasons"]:  # a whole read flags each slice of one tensor
+                slot["reasons"].append(reason)
             slot["nan"], slot["inf"] = slot["nan"] + nan, slot["inf"] + inf
         host, device = naming.host(), naming.device_name()
         return [ParamFinding.located(self._entries[i].info, ranks, shape=list(self._entries[i].model.shape),
                                      nan=f["nan"], inf=f["inf"], overflow=0, norm=None, host=host, device=device,
                                      shard=self._entries[i].shard, reasons=f["reasons"])
                 for i, f in sorted(found.items())]
+
+    def state_dict(self) -> dict:
+        """The checks counted and each turn's baselines (None where not yet taken), so a restart or
+        a branch from a checkpoint judges ratios at once instead of warming up again; read on the
+        host when a checkpoint is written, never on a checked step."""
+        previous = self._slices.previous if self._slices is not None else self._loaded or []
+        return {"checks": self._checks, "rank": collectives.rank(),
+                "previous": [p.tolist() if torch.is_tensor(p) and bool(torch.isfinite(p).all()) else
+                             p if isinstance(p, list) else None for p in previous]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state:
+            return
+        # A rollback in this process keeps its count (the rotation goes on); a fresh process takes the saved one.
+        self._checks = max(self._checks, int(state.get("checks", 0)))
+        # Baselines are this rank's own slices: a loop that stores one rank's guard state for all
+        # (the harness's common checkpoint part) must not give them to another rank's shards.
+        mine = state.get("rank", collectives.rank()) == collectives.rank()
+        self._loaded, self._slices, self._pending = (state.get("previous") if mine else None) or None, None, None
+
+    def _restore(self, slices: _Slices) -> None:
+        """Loaded baselines onto freshly cut slices, turn by turn where the counts match (the same
+        tensors cut alike); any other turn starts at +Inf."""
+        loaded, self._loaded = self._loaded, None
+        if not loaded or len(loaded) != len(slices.previous):
+            return
+        for k, values in enumerate(loaded):
+            if values is not None and slices.previous[k] is not None and len(values) == slices.previous[k].numel():
+                slices.previous[k] = torch.tensor(values, dtype=slices.previous[k].dtype,
+                                                  device=slices.previous[k].device)
 
     def extra(self, ctx: CheckContext, reduced: list) -> dict:
         return {"state_off_slices": int(reduced[0])} if reduced and reduced[0] > 0 else {}

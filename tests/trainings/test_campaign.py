@@ -143,10 +143,11 @@ def test_the_quick_campaign_scores_what_its_file_says(tmp_path):
                              nudges=fc.QUICK_NUDGES)
     _compare(rows, tail, REPO / "docs" / "campaign_quick.jsonl")
     totals = tail["totals"]
-    # Issue 55's two DP2 cells, harmful: the defaults' held-state check (issue 56) finds the Inf in
-    # exp_avg_sq and misses exp_avg x1000 of the whole tensor; the audit catches and rolls back both.
-    assert (totals["dp2/defaults"]["harmful"], totals["dp2/defaults"]["localized"]) == (2, 1)
-    assert totals["dp2/defaults"]["misses"] == ["dp2/exp_avg/all/scale:x1000/1234"]
+    # Issue 55's two DP2 cells, harmful: the defaults' held-state check (issue 56) finds, names and
+    # recovers both, the Inf in exp_avg_sq and exp_avg x1000 of the whole tensor (judged against the
+    # baselines the branch's snapshot carries); the audit catches and rolls back both too.
+    assert (totals["dp2/defaults"]["harmful"], totals["dp2/defaults"]["localized"]) == (2, 2)
+    assert totals["dp2/defaults"]["misses"] == [] and totals["dp2/defaults"]["recovered"] == 2
     assert (totals["dp2/full"]["localized"], totals["dp2/full"]["recovered"]) == (2, 2)
     # A harmless cell (one ulp of every weight of the parameter) is outside every denominator.
     assert totals["1rank/defaults"]["harmless"] == 1 and totals["1rank/defaults"]["harmful"] == 3

@@ -1,10 +1,14 @@
 """Lasting faults in what a rank holds, found with the defaults (issue 56): an Adam first moment
-x1000 and a second moment set to Inf on rank 0 are found by the held-state check within one turn
-of its rotation, named (parameter, tensor, rank), classed hardware with nothing blacklisted, and
-rolled back to a checkpoint the check had read in full and clean; the state after the rollback equals the clean
-twin's bit for bit (``lr_factor: 1``). With the check off the same faults pass and stay in the state.
+x1000, a second moment set to Inf and one weight element x1000 on rank 0 are found by the
+held-state check within one turn of its rotation, named (parameter, tensor, rank), classed hardware
+with nothing blacklisted, and rolled back to a checkpoint the check had read in full and clean; the
+state after the rollback equals the clean twin's bit for bit (``lr_factor: 1``). A job resumed from
+a checkpoint judges the fault two steps after the resume against the baselines it carried. With the
+check off the same faults pass and stay in the state.
 
 One training per case, shared by the assertions on it (module-scoped fixtures)."""
+
+import shutil
 
 import pytest
 import torch
@@ -18,6 +22,8 @@ AT = 30
 DRILLS = {  # drill -> what the record must name
     f"scale:step={AT},phase=state,slot=exp_avg,param={FC1},rank=0,factor=1000": "off:exp_avg",
     f"inf:step={AT},phase=state,slot=exp_avg_sq,param={FC1},rank=0": "held:exp_avg_sq",
+    # One weight element x1000: its slice's largest rises past weight_ratio (10), not the moments' 100.
+    f"scale:step={AT},phase=param,param={FC1},rank=0,scope=element,seed=1234,factor=1000": "off:weight",
 }
 ONLY_ROLLBACK_TO_BE_SAME = "recovery: {lr_factor: 1.0}\nscene: {enabled: false}\n"
 RUN = ("--steps", "40", "--save-interval", "4", "--branch-dump")
@@ -83,6 +89,47 @@ def test_with_the_check_off_the_same_faults_pass_and_stay(runs):
     state = dumped(off)
     assert same_state(state, dumped(runs["twin"]))  # the run ends elsewhere than the clean twin...
     assert not all(bool(torch.isfinite(v).all()) for v in state.values())  # ...with the Inf second moment kept
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """A job that saved at step 24 and is resumed from that checkpoint, an exp_avg x1000 at step 26:
+    once with the defaults, once with the check off (both resumed from one copy of the first job)."""
+    base = tmp_path_factory.mktemp("resumed")
+    first = train(base / "first", extra=("--steps", "24"))
+    assert first.returncode == 0 and first.incidents == [], first.output[-3000:]
+    out = {}
+    for name, state in (("on", True), ("off", False)):
+        shutil.copytree(first.out, base / name / "out")
+        off = "" if state else "detectors: {state: {enabled: false}}\n"
+        (base / name / "guard.yaml").write_text(ONLY_ROLLBACK_TO_BE_SAME + off)
+        out[name] = run_tiny(base / name / "out", *RUN, "--resume", "--config", str(base / name / "guard.yaml"),
+                             "--inject", RESUMED_DRILL)
+    return out
+
+
+RESUMED_DRILL = f"scale:step=26,phase=state,slot=exp_avg,param={FC1},rank=0,factor=1000"
+
+
+def test_a_resumed_job_keeps_the_checks_warm_up_and_baselines_and_finds_a_fault_just_after(resumed, runs):
+    """The check's count and baselines travel in the checkpoint: two steps after a resume the x1000
+    is judged against the saved baselines. (Without them the check warmed up again for 20 checks
+    after every resume or campaign branch and took its first baselines from the corrupted state,
+    which nothing then stood far above: the quick campaign's DP2 miss.)"""
+    run = resumed["on"]
+    assert run.returncode == 0, run.output[-3000:]
+    (record,) = run.incidents
+    assert (record["kind"], record["step"], record["first"]["name"]) == ("state_off", 26, FC1)
+    assert record["first"]["reasons"] == ["off:exp_avg"] and record["origin_ranks"] == [0]
+    assert (record["action"], record["rolled_back_to"]) == ("rollback", 24)
+    assert same_state(dumped(run), dumped(runs["twin"])) == []  # as if neither the restart nor the fault had been
+
+
+def test_a_resumed_job_with_the_check_off_lets_the_same_fault_pass(resumed, runs):
+    off = resumed["off"]
+    assert off.returncode == 0, off.output[-3000:]
+    assert off.incidents == []
+    assert same_state(dumped(off), dumped(runs["twin"]))
 
 
 @pytest.mark.multiproc

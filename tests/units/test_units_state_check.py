@@ -2,6 +2,7 @@
 the rotation covers every held element once per turn, a non-finite or far-off slice is flagged and
 named by parameter and tensor, a clean update is not, and certification waits for a full turn."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -86,6 +87,25 @@ def test_a_corrupted_held_tensor_is_flagged_within_a_turn_and_named_by_parameter
         assert found[0].nan + found[0].inf == 1
 
 
+@pytest.mark.parametrize("weight_ratio, flagged", [(10.0, True), (50.0, False)])
+def test_a_weight_element_that_lifts_its_slice_30_fold_is_flagged_by_the_weights_own_ratio(weight_ratio, flagged):
+    """A weight moves by about the learning rate a step: its slices are judged against
+    ``weight_ratio`` (10), far below the moments' ``ratio`` (100), so one element x1000 of a
+    typical value (its slice's largest 30 times higher) is found; with a looser ratio it passes."""
+    state = {"warmup_steps": 1, "weight_ratio": weight_ratio}
+    settings = Config.from_dict({"detectors": {"state": state}}).detectors.state
+    optimizer, entries = adam_with_state()
+    detector = HeldStateCheck(settings)
+    detector.after_update(optimizer, entries, True)
+    for step in range(1, 11):
+        assert check(detector, step)[:2] == (0, [])
+    weight = entries[0].main.detach().view(-1)
+    with torch.no_grad():
+        weight[-1] = 30 * weight[4 * weight.numel() // 5:].abs().max()  # in the last turn's slice
+    hits = [found for step in range(11, 16) for n, _, found in [check(detector, step)] if n]
+    assert ([[f.reasons for f in found] for found in hits] == [[["off:weight"]]]) == flagged, hits
+
+
 def test_clean_updates_a_zero_baseline_and_a_replay_flag_nothing():
     optimizer, entries = adam_with_state()
     detector = HeldStateCheck(SETTINGS)
@@ -136,9 +156,53 @@ def test_after_a_rollback_target_is_taken_the_next_check_reads_all_of_the_held_s
     assert check(detector, 13)[0] == 0  # then back to the rotation: the second turn's slices
 
 
+def test_a_whole_read_on_the_same_turn_each_time_still_gives_that_turn_a_baseline():
+    """Checkpoints every ``period`` checks make each whole read land on one turn: that turn's slices
+    are then only ever read whole, so the whole read must set their baseline (it once did not: a
+    x1000 there passed for good)."""
+    optimizer, entries = adam_with_state()
+    detector = HeldStateCheck(SETTINGS)
+    detector.after_update(optimizer, entries, True)
+    for step in range(1, 21):
+        if step % 5 == 2:  # turn 1's checks are all whole reads
+            detector.target_taken()
+        assert check(detector, step)[:2] == (0, []), step
+    exp_avg = optimizer.state[entries[0].main]["exp_avg"].view(-1)
+    with torch.no_grad():
+        exp_avg[exp_avg.numel() // 5:2 * exp_avg.numel() // 5].mul_(1000.0)  # turn 1's slice alone
+    assert [check(detector, step)[0] for step in (21,)] == [0]  # turn 0: not that slice
+    detector.target_taken()
+    n, kinds, found = check(detector, 22)
+    assert (n, kinds) == (1, [OFF]) and found[0].reasons == ["off:exp_avg"]
+
+
+def test_a_restarted_check_keeps_its_count_and_baselines_and_judges_ratios_at_once():
+    """A resume or a branch from a checkpoint: the loaded check is past its warm-up with the saved
+    turns' baselines, so a x1000 just after the load is flagged; a fresh one (nothing loaded) warms
+    up again for ``warmup_steps`` checks and lets it pass."""
+    settings = Config.from_dict({}).detectors.state  # the defaults: a warm-up of 20 checks
+    optimizer, entries = adam_with_state()
+    detector = HeldStateCheck(settings)
+    detector.after_update(optimizer, entries, True)
+    for step in range(1, 27):
+        check(detector, step)
+    saved = json.loads(json.dumps(detector.state_dict()))  # a checkpoint writes it as JSON
+    assert (saved["checks"], saved["rank"]) == (26, 0) and all(len(p) > 0 for p in saved["previous"])
+    with torch.no_grad():
+        optimizer.state[entries[0].main]["exp_avg"].mul_(1000.0)
+    # Another rank's baselines (a loop that stores one rank's guard state for all) are not taken.
+    for load, expected in ((saved, 1), (None, 0), ({**saved, "rank": 1}, 0)):
+        restarted = HeldStateCheck(settings)
+        if load:
+            restarted.load_state_dict(load)
+        restarted.after_update(optimizer, entries, True)
+        assert check(restarted, 27)[0] == expected
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("fraction", 0, "`detectors.state.fraction` must be > 0 and <= 1, got 0"),
     ("ratio", 1, "`detectors.state.ratio` must be > 1, got 1"),
+    ("weight_ratio", 0.5, "`detectors.state.weight_ratio` must be > 1, got 0.5"),
 ])
 def test_a_wrong_setting_is_one_line_naming_the_key(key, value, message):
     with pytest.raises(ConfigError) as error:
