@@ -117,9 +117,9 @@ class _Stats:
 
 
 class ParamSeries:
-    """One :class:`_Stats` row per parameter tensor of this rank, on the device, kept in the order of
-    the check's entries: rows follow a parameter by (name, shape) when the entries change (a
-    restart, a new optimizer) and start fresh for a new one. Vocabulary tensors are never judged
+    """One :class:`_Stats` row per parameter tensor of this rank, on the device (the peak detector's),
+    kept in the order of the check's entries: rows follow a parameter by (name, shape) when the
+    entries change (a restart, a new optimizer) and start fresh for a new one. Vocabulary tensors are never judged
     (:func:`is_vocabulary`): ``judged`` is False for them."""
 
     def __init__(self) -> None:
