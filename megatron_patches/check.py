@@ -1,10 +1,17 @@
 """The check stage: the gradients' norms (read once with Megatron's own clipping norm where the
 seams can, else one fused pass), one small all-reduce, one host read.
 
-Each rank fills a float32 vector: counts of non-finite, too large and saturated gradients, the
-count of ranks that were an origin before the reduction, the total and per-layer sums of squares,
-then each detector's own slots. One all-reduce sums it over the job, so every rank reads the same
-numbers and reaches the same :class:`Verdict` without a further collective.
+Each rank fills a float32 vector: counts of checked and of finite, too large and saturated
+gradients, the count of ranks that were an origin before the reduction, the total and per-layer
+sums of squares, then each detector's own slots. One all-reduce sums it over the job, so every rank
+reads the same numbers and reaches the same :class:`Verdict` without a further collective.
+
+Per checked step that is a fixed handful of device calls whatever the number of tensors (issue 59):
+the vector's constants (the count of tensors checked, detectors' fixed slots) are copied in from a
+template in one op, the per-layer sums and every detector's per-tensor sums of squares are added by
+one ``index_put_`` over a stacked index, the detectors' per-tensor values read back unreduced
+(:meth:`~megatron_patches.detectors.Detector.tail_width`) share the vector's buffer and its one
+host read, and a world of one rank skips the all-reduce (a sum over one rank is itself).
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ log = logging.getLogger("megatron_patches")
 # Slots of the reduced vector ahead of the per-layer sums of squares. _ORIGINS counts the ranks
 # whose own gradients were non-finite before the data-parallel reduction: which ranks they were is
 # gathered on the slow path, so the vector's size does not grow with the world.
-_NONFINITE, _OVER_PARAM, _SATURATED, _TOTAL_SQ, _ORIGINS, _HEAD = 0, 1, 2, 3, 4, 5
+_NONFINITE, _OVER_PARAM, _SATURATED, _TOTAL_SQ, _ORIGINS, _FINITE, _HEAD = 0, 1, 2, 3, 4, 5, 6
+"""_NONFINITE holds the count of gradients checked on the device (the template's), the count of
+non-finite ones once the host has taken away the finite ones' (_FINITE)."""
 
 
 @dataclass
@@ -90,11 +99,14 @@ class CheckStage:
         for a step already checked."""
         if self._detector_width is None:
             self._size_detectors(entries)
-        ctx, maxabs, vec = self._local(optimizer, entries, step, origin_flag, saturation, replay)
+        ctx, maxabs, held = self._local(optimizer, entries, step, origin_flag, saturation, replay)
         self.peers.prepare()  # once, while every rank is here
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(vec)  # every rank joins, stub optimizers included
-        values = vec.tolist()  # the one host read of a checked step
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(held.vec)  # every rank joins, stub optimizers included
+        values = held.buffer.tolist()  # the one host read of a checked step
+        ctx.tail_values = {name: values[start:end] for name, (start, end) in held.tail_spans.items()}
+        del values[held.vec_size:]
+        values[_NONFINITE] -= values[_FINITE]  # checked minus finite: exact integers in float32
         num_slots = self._num_slots[id(optimizer)]
         ctx.total_norm = math.sqrt(values[_TOTAL_SQ]) if values[_TOTAL_SQ] >= 0 else float("nan")
         layer_sq = values[_HEAD:_HEAD + num_slots]
@@ -138,11 +150,11 @@ class CheckStage:
         key = (id(optimizer), len(live), device)
         cached = self._static.get(key)
         if cached is None:
-            weights = torch.tensor([e.weight for e in live], dtype=torch.float32, device=device)
-            slots = torch.tensor([_HEAD + e.slot for e in live], dtype=torch.long, device=device)
+            unit = all(e.weight == 1.0 for e in live)  # x * 1.0 is x: no multiply
+            weights = None if unit else torch.tensor([e.weight for e in live], dtype=torch.float32, device=device)
             limits = torch.tensor([torch.finfo(e.model.dtype).max if e.model.dtype.is_floating_point else math.inf
                                    for e in live], dtype=torch.float32, device=device)
-            cached = self._static[key] = (weights, slots, limits)
+            cached = self._static[key] = (weights, [_HEAD + e.slot for e in live], limits)
         return cached
 
     def _local(self, optimizer: Any, entries: list, step: int, origin_flag: Optional[torch.Tensor],
@@ -153,18 +165,25 @@ class CheckStage:
         live = [e for e, _ in pairs]
         grads = [g for _, g in pairs]
         device = grads[0].device if grads else collective_device()
-        num_slots = self._num_slots[id(optimizer)]
-        vec, views = self._vector(optimizer, num_slots, device)
-        if origin_flag is not None:
-            views[_ORIGINS].copy_(origin_flag)
         ctx = CheckContext(step=step, entries=live, grads=grads, norms=None, device=device, replay=replay)
-        maxabs = None
+        maxabs, weights, slots, limits = None, None, [], None
         if grads:
             weights, slots, limits = self._static_tensors(optimizer, live, device)
-            norms = ctx.norms = self._norms(optimizer, grads)
+            ctx.norms = self._norms(optimizer, grads)
+        plans = [detector.plan(ctx) for detector in self.detectors]
+        held = self._held(optimizer, device, len(live) if grads else 0)
+        views, vec = held.views, held.vec
+        template, index = held.planned(self, slots, plans)
+        if grads:
+            norms = ctx.norms
+            squares = ctx.squares = norms.square() if weights is None else norms.square() * weights
+            # One op: the vector's start (zeros, the count checked, the detectors' constants), plus
+            # each tensor's weighted square into its layer's sum and the detectors' planned slots.
+            torch.ops.aten.index_put.out(template, (index,), squares, True, out=vec)
+            torch.sum(squares, dim=0, out=views[_TOTAL_SQ])
             detectors = self.config.detectors
             if detectors.nonfinite.enabled:
-                torch.sum(~torch.isfinite(norms), dim=0, dtype=torch.float32, out=views[_NONFINITE])
+                torch.sum(torch.isfinite(norms), dim=0, dtype=torch.float32, out=views[_FINITE])
             if detectors.magnitude.enabled and detectors.magnitude.param_norm_max is not None:
                 vec[_OVER_PARAM] = (norms > detectors.magnitude.param_norm_max).sum()
             if saturation or self._maxabs_wanted:
@@ -172,28 +191,22 @@ class CheckStage:
             if saturation:  # the findings' overflow counts come with the saturation check only
                 maxabs = ctx.maxabs
                 vec[_SATURATED] = (maxabs >= limits).sum()
-            squares = ctx.squares = norms.square() * weights
-            torch.sum(squares, dim=0, out=views[_TOTAL_SQ])
-            vec.index_add_(0, slots, squares)  # the per-layer sums, after the head
+        else:
+            vec.copy_(template)
+        if origin_flag is not None:
+            views[_ORIGINS].copy_(origin_flag)
+        ctx.tails = held.tails
         for detector, out in zip(self.detectors, views[_HEAD:]):
             detector.local(ctx, out)
-        return ctx, maxabs, vec
+        return ctx, maxabs, held
 
-    def _vector(self, optimizer: Any, num_slots: int, device: torch.device) -> tuple:
-        """This optimizer's vector, zeroed (one buffer per optimizer and device, kept: the check
-        reads it back before it returns), with views of its scalar head slots and of each
-        detector's piece (made once, not per check)."""
-        key = (id(optimizer), device)
+    def _held(self, optimizer: Any, device: torch.device, count: int) -> "_Held":
+        """The buffers of this optimizer's check (made once per optimizer, device and number of
+        tensors checked, and kept: the check reads them back before it returns)."""
+        key = (id(optimizer), device, count)
         held = self._vectors.get(key)
-        if held is None or held[0].numel() != _HEAD + num_slots + self._detector_width:
-            vec = torch.zeros(_HEAD + num_slots + self._detector_width, dtype=torch.float32, device=device)
-            views, offset = [vec[i] for i in range(_HEAD)], _HEAD + num_slots
-            for detector in self.detectors:
-                views.append(vec[offset:offset + detector.width()])
-                offset += detector.width()
-            held = self._vectors[key] = (vec, views)
-        else:
-            held[0].zero_()
+        if held is None:
+            held = self._vectors[key] = _Held(self, device, count, self._num_slots[id(optimizer)])
         return held
 
     def _norms(self, optimizer: Any, grads: list) -> torch.Tensor:
@@ -208,6 +221,54 @@ class CheckStage:
             norms = known[0][1]
             return norms if norms.dtype == torch.float32 else norms.float()
         return placed_norms(known, grads)
+
+
+class _Held:
+    """One check's buffers: ``buffer`` = the vector to all-reduce (``vec``, its first ``vec_size``
+    floats) then the detectors' tails (this rank's values, not reduced: ``tails`` by detector name,
+    ``tail_spans`` their places), ``views`` (the head's scalar slots, then each detector's piece);
+    per set of the detectors' plans (:meth:`planned`) the vector's start and the squares' index."""
+
+    def __init__(self, stage: "CheckStage", device: torch.device, count: int, num_slots: int):
+        self.device, self.count, self.num_slots = device, count, num_slots
+        self.vec_size = _HEAD + num_slots + stage._detector_width
+        widths = [d.tail_width(count) for d in stage.detectors]
+        self.buffer = torch.zeros(self.vec_size + sum(widths), dtype=torch.float32, device=device)
+        self.vec = self.buffer[:self.vec_size]
+        self.views, offset = [self.vec[i] for i in range(_HEAD)], _HEAD + num_slots
+        for detector in stage.detectors:
+            self.views.append(self.vec[offset:offset + detector.width()])
+            offset += detector.width()
+        self.tails, self.tail_spans, start = {}, {}, self.vec_size
+        for detector, width in zip(stage.detectors, widths):
+            if width:
+                self.tails[detector.name] = self.buffer[start:start + width]
+                self.tail_spans[detector.name] = (start, start + width)
+                start += width
+        self._planned: dict = {}
+
+    def planned(self, stage: "CheckStage", slots: list, plans: list) -> tuple:
+        """``(template, index)`` for the detectors' ``plans`` (made once per set of plan objects):
+        the vector's start (zeros, the count of tensors checked, the planned constants) and, per
+        tensor, the slots its weighted squared norm is added to (its layer's sum, then each planned
+        detector's; one row each)."""
+        key = tuple((id(p[0]), id(p[1])) if p else None for p in plans)
+        made = self._planned.get(key)
+        if made is None:
+            template = torch.zeros(self.vec_size, dtype=torch.float32, device=self.device)
+            if stage.config.detectors.nonfinite.enabled:
+                template[_NONFINITE] = float(self.count)
+            offset, rows = _HEAD + self.num_slots, [slots]
+            for detector, plan in zip(stage.detectors, plans):
+                width = detector.width()
+                if plan is not None and plan[0] is not None:
+                    template[offset:offset + width] = plan[0].to(self.device)
+                if plan is not None and plan[1] is not None:
+                    rows.append([offset + int(i) for i in plan[1].tolist()])
+                offset += width
+            index = torch.tensor(rows if self.count else [[]], dtype=torch.long, device=self.device)
+            made = self._planned[key] = (template, index, plans)  # the plans kept: their ids stay theirs
+        return made[0], made[1]
 
 
 def placed_norms(known: list, grads: list) -> torch.Tensor:

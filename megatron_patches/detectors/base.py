@@ -4,7 +4,7 @@ for where collectives may go)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -33,6 +33,11 @@ class CheckContext:
     maxabs: Optional[torch.Tensor] = None
     """Each gradient's largest magnitude on the device (fp32), taken where the saturation check or a
     detector with :attr:`Detector.wants_maxabs` needs it (one fused pass); None otherwise."""
+    tails: dict = field(default_factory=dict)
+    """Per detector with a :meth:`Detector.tail_width`: its device view of the check's read buffer
+    past the reduced vector (this rank's own values, not reduced), to fill in ``local``."""
+    tail_values: dict = field(default_factory=dict)
+    """The same, as read back on the host with the reduced vector (set before ``verdict``)."""
 
 
 @dataclass(frozen=True)
@@ -84,8 +89,24 @@ class Detector:
     def size(self, agreed: list) -> None:
         """Fix :meth:`width` from the ranks' largest :meth:`sizes`."""
 
+    def tail_width(self, count: int) -> int:
+        """Floats of this rank's own that the check reads back with its vector, past the reduced
+        part (``count``: the tensors checked): ``ctx.tails[name]`` in :meth:`local`,
+        ``ctx.tail_values[name]`` in :meth:`verdict`. None (the default) costs nothing."""
+        return 0
+
+    def plan(self, ctx: CheckContext) -> Optional[tuple]:
+        """Called before :meth:`local`: ``(values, index)`` the check itself writes into this
+        detector's piece, or None. ``values`` (a float32 tensor of ``width`` floats, or None: zeros)
+        is the piece's start, copied with the rest of the vector's constants in one op; ``index``
+        (long, one per tensor, into the piece, or None) places each tensor's weighted squared norm
+        (``ctx.squares``), added by the same op as the per-layer sums. Return the same objects
+        while they do not change: the check caches its buffers by their identity."""
+        return None
+
     def local(self, ctx: CheckContext, out: torch.Tensor) -> None:
-        """Fill ``out`` (``width`` floats, zeros on entry) with device ops only: no host reads."""
+        """Fill ``out`` (``width`` floats, holding what :meth:`plan` asked for on entry, else zeros)
+        with device ops only: no host reads."""
 
     def verdict(self, ctx: CheckContext, reduced: list) -> list:
         """Kinds flagged this step (e.g. ``["zscore"]``) from the world-wide sums in ``reduced``

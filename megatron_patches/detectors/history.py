@@ -1,6 +1,7 @@
 """Gradient-norm history: outliers and sustained growth that are still finite.
 
-Three levels are watched: every parameter (this rank's, on the device), every layer and the
+Three levels are watched: every parameter (this rank's, judged on the device against exact
+thresholds, its statistics kept on the host: :mod:`.series`), every layer and the
 whole model (world-wide norms the monitor has already reduced, so judged on the host with
 no extra collective). A parameter and a layer are judged by their *share*: the norm over the
 norm of the rest (this rank's other parameters; the other layers), so that a natural loss
@@ -30,7 +31,6 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -38,14 +38,13 @@ import torch
 
 from .. import collectives, naming
 from .base import CheckContext, Detector, Rotation
+from .series import _CLIP, _MIN_SD, HostParamSeries, Judged, ParamSeries, _Stats, is_vocabulary, judge_on_device
+
+__all__ = ["HistoryDetector", "Judged", "ParamSeries", "is_vocabulary", "judged_slots", "shares", "_CLIP", "_MIN_SD",
+           "_Stats"]
 
 log = logging.getLogger(__name__)
 
-_CLIP = 2.0
-"""Once warm, an accepted sample moves the statistics as if it were at most this many
-standard deviations from the mean (a Huber-style winsorized update)."""
-_MIN_SD = 1e-3
-"""Floor on the standard deviation in log space (a perfectly steady series is not infinitely sure)."""
 _Z = 0  # slot of this detector's piece of the reduced vector: parameters over their z-score
 _STATE_VERSION = 2
 """Version 2 keeps shares for parameters and layers; a version-1 baseline (raw norms) is not
@@ -53,133 +52,6 @@ comparable with them and is dropped at load (the detector warms up again)."""
 _TRACE = "MEGATRON_PATCHES_HISTORY_TRACE"
 """Measurement aid: a file rank 0 appends each judged step's log-norms to (JSON lines), the
 input of scripts/history_replay.py."""
-
-
-@dataclass
-class Judged:
-    """One level's view of one checked step, kept until ``commit``."""
-
-    logn: Any
-    valid: Any
-    z: Any
-    zflag: Any
-    dflag: Any  # None, as run, for per-tensor series (no growth rule: their run stays 0)
-    run: Any
-    dev: Any = None  # logn - mean, the floored sd, warm: what update() would compute again
-    sd: Any = None
-    warmed: Any = None
-
-
-class _Stats:
-    """Moving statistics of log-norms for a vector of series: torch tensors on the device for
-    the parameters, numpy arrays on the host for the layers and the total (no tensor, no sync).
-    Both run the same code (ops torch and numpy spell alike), each op once over the whole vector."""
-
-    FIELDS = ("mean", "var", "count", "last", "run")
-
-    def __init__(self, size: int, device: Optional[torch.device] = None):
-        self.xp = torch if device is not None else np
-        for name in self.FIELDS:
-            setattr(self, name, torch.zeros(size, dtype=torch.float32, device=device) if device is not None
-                    else np.zeros(size))
-
-    @classmethod
-    def from_lists(cls, lists: dict, device: Optional[torch.device] = None) -> "_Stats":
-        stats = cls(len(lists["mean"]), device)
-        for name in cls.FIELDS:
-            setattr(stats, name, torch.tensor(lists[name], dtype=torch.float32, device=device) if device is not None
-                    else np.array(lists[name], dtype=float))
-        return stats
-
-    def to_lists(self) -> dict:
-        return {name: getattr(self, name).tolist() for name in self.FIELDS}
-
-    def take(self, index: list[int], device: torch.device) -> "_Stats":
-        """Rows ``index`` (-1: a fresh row) as a new device _Stats."""
-        out = _Stats(len(index), device)
-        keep = [(new, old) for new, old in enumerate(index) if old >= 0]
-        if keep:
-            new_rows = torch.tensor([n for n, _ in keep], device=device)
-            old_rows = torch.tensor([o for _, o in keep], device=self.mean.device)
-            for name in self.FIELDS:
-                getattr(out, name)[new_rows] = getattr(self, name)[old_rows].to(device)
-        return out
-
-    def judge(self, values: Any, valid: Any, cfg: Any, drift: bool = True, min_ratio: Optional[float] = None) -> Judged:
-        xp = self.xp
-        logn = xp.log(xp.clip(values, 1e-30, None))
-        valid = valid & xp.isfinite(values) & (values > 0)
-        warmed = self.count >= cfg.warmup_steps
-        dev = logn - self.mean
-        sd = xp.clip(xp.sqrt(self.var), _MIN_SD, None)
-        z = dev / sd
-        floor = math.log(cfg.min_ratio if min_ratio is None else min_ratio)
-        zflag = valid & warmed & (z > cfg.zscore) & (dev > floor)
-        if drift:
-            grow = valid & (self.count > 0) & (logn - self.last > math.log(cfg.drift_ratio))
-            run = xp.where(grow, self.run + 1, xp.zeros_like(self.run))
-            dflag = valid & warmed & (run >= cfg.drift_steps)
-        else:  # per-tensor series: no growth rule (see the module docstring)
-            run, dflag = None, None
-        return Judged(logn, valid, z, zflag, dflag, run, dev, sd, warmed)
-
-    def update(self, j: Judged, cfg: Any) -> None:
-        xp = self.xp
-        alpha = xp.clip(1.0 / (counted := self.count + 1), 1.0 - cfg.ema_beta, None)
-        limit = _CLIP * j.sd  # > 0: once warm, the deviation is held within +-limit
-        dev = xp.where(j.warmed, xp.clip(j.dev, -limit, limit), j.dev)
-        step = alpha * dev  # (alpha * dev) * dev below is the variance's alpha * dev * dev, op for op
-        self.mean = xp.where(j.valid, self.mean + step, self.mean)
-        self.var = xp.where(j.valid, (1.0 - alpha) * (self.var + step * dev), self.var)
-        self.count = xp.where(j.valid, counted, self.count)
-        self.last = xp.where(j.valid, j.logn, self.last)
-        self.run = xp.where(j.valid, 0.0 if j.run is None else j.run, self.run)
-
-
-class ParamSeries:
-    """One :class:`_Stats` row per parameter tensor of this rank, on the device, kept in the order of
-    the check's entries: rows follow a parameter by (name, shape) when the entries change (a
-    restart, a new optimizer) and start fresh for a new one. Vocabulary tensors are never judged
-    (:func:`is_vocabulary`): ``judged`` is False for them."""
-
-    def __init__(self) -> None:
-        self.stats: Optional[_Stats] = None
-        self.keys: Optional[tuple] = None  # (name, shape) per row
-        self.judged: Optional[torch.Tensor] = None
-        self._layout: Optional[tuple] = None
-        self._loaded: Optional[dict] = None
-
-    def rows(self, ctx: CheckContext) -> _Stats:
-        """The statistics for ``ctx.entries``, in their order."""
-        layout = tuple(map(id, ctx.entries))
-        if layout == self._layout and self.stats is not None:
-            return self.stats
-        keys = tuple((e.info.name, tuple(e.model.shape)) for e in ctx.entries)
-        if self.stats is not None and self.keys is not None:
-            source, old_keys = self.stats, self.keys
-        elif self._loaded is not None:
-            source = _Stats.from_lists(self._loaded, torch.device("cpu"))
-            old_keys = tuple((n, tuple(s)) for n, s in zip(self._loaded["names"], self._loaded["shapes"]))
-            self._loaded = None
-        else:
-            source, old_keys = None, ()
-        where = {k: i for i, k in enumerate(old_keys)}
-        index = [where.get(k, -1) for k in keys]
-        self.stats = source.take(index, ctx.device) if source is not None else _Stats(len(keys), ctx.device)
-        self.keys, self._layout = keys, layout
-        self.judged = torch.tensor([not is_vocabulary(k[0]) for k in keys], dtype=torch.bool, device=ctx.device)
-        return self.stats
-
-    def state(self) -> Optional[dict]:
-        """Names, shapes and statistics (lists), or None with none kept."""
-        if self.stats is not None and self.keys is not None:
-            return {"names": [k[0] for k in self.keys], "shapes": [list(k[1]) for k in self.keys],
-                    **self.stats.to_lists()}
-        return self._loaded  # loaded, no step checked since
-
-    def load(self, lists: Optional[dict]) -> None:
-        """Keep ``lists`` (from :meth:`state`) until the next check matches them to its entries."""
-        self.stats, self.keys, self.judged, self._layout, self._loaded = None, None, None, None, lists
 
 
 class HistoryDetector(Detector):
@@ -192,36 +64,57 @@ class HistoryDetector(Detector):
         self._rotation = Rotation(cfg.interval, cfg.sample_fraction)
         self._checks = 0
         self._active = False
-        self._series = ParamSeries()
+        self._series = HostParamSeries()
         self._total: Optional[_Stats] = None
         self._layers: Optional[_Stats] = None
         self._judged: dict[str, Optional[Judged]] = {}
         self._param_flags = 0.0
+        self._mask: Optional[np.ndarray] = None  # the parameters judged this check (judged and sampled)
+        self._tail: Optional[tuple] = None  # (the check's tail for this detector, its share and log-share halves)
 
     # --- fast path -------------------------------------------------------------------
 
     def width(self) -> int:
         return 1 if self.cfg.per_param else 0
 
+    def tail_width(self, count: int) -> int:
+        """Each tensor's share and log-share, read back with the check's vector (series.py)."""
+        return 2 * count if self.cfg.per_param else 0
+
     def local(self, ctx: CheckContext, out: torch.Tensor) -> None:
         self._checks += 1
         self._active = self._rotation.due(self._checks)
-        self._judged = {}
+        self._judged, self._mask = {}, None
         if not self._active or not self.cfg.per_param or ctx.norms is None:
             return
-        stats = self._series.rows(ctx)
+        self._series.rows(ctx)
         # Parameters are judged by z-score only: per-tensor norms (biases, norms) are too noisy
         # for a per-step growth rule; a growth that matters shows in its layer's norm.
-        mask = self._series.judged
+        mask, turn = self._series.judged, None
         if self._rotation.period > 1:
-            mask = self._sample_mask(len(ctx.entries), ctx.device) & mask
-        judged = self._judged["params"] = stats.judge(shares(ctx.norms), mask, self.cfg, drift=False)
-        torch.sum(judged.zflag, dim=0, keepdim=True, dtype=torch.float32, out=out)  # the one slot, _Z
+            turn = self._rotation.turn(self._checks)
+            mask = (np.arange(len(mask)) % self._rotation.period == turn) & mask
+        self._mask = mask
+        tail = ctx.tails[self.name]
+        if self._tail is None or self._tail[0] is not tail:  # the check's buffer is kept: so are its halves
+            self._tail = (tail, tail[:len(mask)], tail[len(mask):])
+        limits = self._series.device_thresholds(mask, turn, self.cfg, ctx.device)
+        judge_on_device(ctx.norms, self._tail[1], self._tail[2], limits, self._series.positive_needed, out)
+
+    def _params_judged(self, ctx: CheckContext) -> None:
+        """The parameters' judgement on the host, from the shares and log-shares read back."""
+        values = ctx.tail_values.get(self.name) if self._mask is not None else None
+        if values is not None:
+            count = len(self._mask)
+            share = np.array(values[:count], dtype=np.float32)
+            logn = np.array(values[count:2 * count], dtype=np.float32)
+            self._judged["params"] = self._series.judge_host(logn, share, self._mask, self.cfg, ctx.device)
 
     def verdict(self, ctx: CheckContext, reduced: list) -> list:
         if not self._active:
             return []
         self._param_flags = reduced[_Z] if self.cfg.per_param else 0.0
+        self._params_judged(ctx)
         layers = ctx.layer_norms or []
         if self._total is None or self._layers is None or len(self._layers.mean) != len(layers):
             self._total, self._layers = _Stats(1), _Stats(len(layers))
@@ -240,7 +133,9 @@ class HistoryDetector(Detector):
 
     def commit(self, ctx: CheckContext, accepted: bool) -> None:
         if self._active and accepted:
-            for level, stats in (("params", self._series.stats), ("total", self._total), ("layers", self._layers)):
+            if self._judged.get("params") is not None and self._series.stats is not None:
+                self._series.update(self._judged["params"], self.cfg)
+            for level, stats in (("total", self._total), ("layers", self._layers)):
                 if self._judged.get(level) is not None and stats is not None:
                     stats.update(self._judged[level], self.cfg)
         self._judged = {}
@@ -275,7 +170,7 @@ class HistoryDetector(Detector):
         """The parameter whose squared norm rose most above its own baseline (its baseline share
         of the rest of this rank's gradient, at this step's rest)."""
         params = self._series.stats
-        baseline = params.mean.exp().tolist() if params is not None and self.cfg.per_param else None
+        baseline = torch.from_numpy(params.mean).exp().tolist() if params is not None and self.cfg.per_param else None
         finite = [n if math.isfinite(n) else 0.0 for n in norm_list]
         whole = sum(n * n for n in finite)
         best, best_rise = None, 0.0
@@ -356,22 +251,6 @@ class HistoryDetector(Detector):
                 line["names"] = [k[0] for k in self._series.keys or ()]
         with open(os.environ[_TRACE], "a", encoding="utf-8") as handle:
             handle.write(json.dumps(line) + "\n")
-
-    def _sample_mask(self, size: int, device: torch.device) -> torch.Tensor:
-        """Every parameter when ``sample_fraction`` is 1, else a rotating 1/m of them."""
-        period = self._rotation.period
-        if period == 1:
-            return torch.ones(size, dtype=torch.bool, device=device)
-        return torch.arange(size, device=device) % period == self._rotation.turn(self._checks)
-
-
-def is_vocabulary(name: str) -> bool:
-    """Tensors indexed by token (word embeddings, the output layer): their gradient lives in
-    the rows of the tokens a batch holds, so it bursts whenever rare tokens come by (with
-    byte tokens and TP 2, the output layer's shard of bytes 128-255 on every non-ASCII
-    passage). Their history is not a baseline; ``peers`` judges them by their share of the
-    model, from the first step."""
-    return name.endswith(("word_embeddings.weight", "output_layer.weight"))
 
 
 def judged_slots(count: int) -> np.ndarray:

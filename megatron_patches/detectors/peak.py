@@ -8,7 +8,7 @@ element. The crest factor is scale-free, so a loss spike that lifts the whole gr
 alone, and bounded by ``sqrt(n)``, so small tensors (biases, norms) cannot flag on their own noise.
 
 Each tensor's log crest factor keeps a moving mean and variance (the history detector's
-statistics, :class:`~megatron_patches.detectors.history.ParamSeries`): flagged (kind ``peak``)
+statistics, :class:`~megatron_patches.detectors.series.ParamSeries`): flagged (kind ``peak``)
 when it is more than ``zscore`` standard deviations above its mean and more than ``min_ratio``
 times the baseline. Vocabulary tensors are not judged (their rows burst with rare tokens).
 
@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 
 from .base import CheckContext, Detector
-from .history import ParamSeries, Judged
+from .series import Judged, ParamSeries
 
 PEAK = "peak"
 """The kind flagged, and the reason a named tensor carries."""

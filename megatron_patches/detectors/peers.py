@@ -89,7 +89,8 @@ class PeersDetector(Detector):
         self._active = False
         self._layout: Optional[tuple] = None
         self._index: Optional[torch.Tensor] = None
-        self._head: Optional[torch.Tensor] = None  # the head's slots, fixed for a layout
+        self._head: Optional[torch.Tensor] = None  # the piece's start (the head's slots), fixed for a layout
+        self._plan: Optional[tuple] = None
         self._roles: list[str] = []
         self._model_roles: Optional[list] = None  # from the model chunks, once
         self._hash = 0.0
@@ -120,17 +121,16 @@ class PeersDetector(Detector):
         layers, roles = agreed
         self._capacity = min(self.cfg.max_slots, layers * roles)
 
-    def local(self, ctx: CheckContext, out: torch.Tensor) -> None:
+    def plan(self, ctx: CheckContext) -> Optional[tuple]:
+        """The whole piece is the check's to fill: the head's constants, and the check's weighted
+        squares (each norm squared times Entry.weight) added into their slots by the same op as
+        its per-layer sums (no device call of this detector's own)."""
         self._checks += 1
         self._active = self._rotation.due(self._checks)
         self._flags, self._tripped, self._last = set(), [], None
         if not self._active or ctx.norms is None:
-            return
-        index, head = self._slots(ctx)
-        out[:_HEAD] = head
-        if not self._over:
-            # The check's weighted squares (each norm squared times Entry.weight), into their slots.
-            out.index_add_(0, index, ctx.squares)
+            return None
+        return self._slots(ctx)
 
     def verdict(self, ctx: CheckContext, reduced: list) -> list:
         if not self._active:
@@ -213,8 +213,9 @@ class PeersDetector(Detector):
 
     # --- helpers ---------------------------------------------------------------------
 
-    def _slots(self, ctx: CheckContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """(each tensor's slot in this detector's piece, the head's values), made once per layout."""
+    def _slots(self, ctx: CheckContext) -> tuple:
+        """This detector's :meth:`plan`: (the piece's start, the head's values; each tensor's slot in
+        the piece, None when they did not fit), made once per layout."""
         layout = tuple(map(id, ctx.entries))
         if layout != self._layout:
             roles = sorted({role_of(e.info.name) for e in ctx.entries if e.info.layer is not None})
@@ -240,9 +241,10 @@ class PeersDetector(Detector):
                 head[_LAYERED], head[_HASH], head[_ROLES] = 1.0, self._hash, float(len(roles))
                 head[_HASH_SQ] = self._hash * self._hash
             head[_OVER] = 1.0 if self._over else 0.0
-            self._head = torch.tensor(head, dtype=torch.float32, device=ctx.device)
+            self._head = torch.tensor(head + [0.0] * (self.width() - _HEAD), dtype=torch.float32, device=ctx.device)
+            self._plan = (self._head, None if self._over else self._index)
             self._layout = layout
-        return self._index, self._head
+        return self._plan
 
     def _peerless_names(self, slot: int) -> str:
         names = sorted(getattr(self, "_names", {}).get(slot, ()))

@@ -46,6 +46,16 @@ OFF = "state_off"
 """The kind flagged when a held slice is non-finite or far above its previous check."""
 
 
+_FLT_MAX = torch.finfo(torch.float32).max
+
+
+def bound_of(previous: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+    """Each slice's bound from its accepted ``previous`` largest magnitude: ``previous * limits``
+    (float32), or the largest finite float where ``previous`` is 0 (a non-finite value only is
+    flagged after a zero) or the product overflows (nothing finite is above an infinite bound)."""
+    return torch.where(previous > 0, (previous * limits).clamp_(max=_FLT_MAX), _FLT_MAX)
+
+
 def period_of(cfg: Any) -> int:
     """Checks that cover every held element once: 1 / ``fraction``, rounded."""
     return max(1, round(1.0 / cfg.fraction))
@@ -85,8 +95,22 @@ class _Slices:
                        for turn, used in zip(self.turns, self.used)]
         """Per turn, each slice's ratio limit; beside it the baselines start at +Inf (nothing is far
         above them: until the warm-up is over, only a non-finite value is flagged)."""
-        self.previous = [torch.full_like(limits, float("inf")) if limits is not None else None
-                         for limits in self.limits]
+        self.counts = [torch.tensor([float(len(turn)), 0.0]) for turn in self.turns] + [
+            torch.tensor([float(len(self.every)), 0.0])]
+        """Per turn, then for a whole read: the start of the check's two floats (slices read, and 0 where
+        the slices at or under their bound are counted), the same objects each time (:meth:`HeldStateCheck.plan`)."""
+        self.bounds = [torch.full_like(limits, _FLT_MAX) if limits is not None else None for limits in self.limits]
+        """Per turn, the largest magnitude each slice may hold and pass: its magnitude at the turn's
+        last accepted check times its limit, or the largest finite float (a non-finite value only
+        is flagged) before the warm-up is over, after a zero, or where the product overflows."""
+        self.previous: list = [None] * period
+        """Per turn, each slice's largest magnitude at the turn's last accepted check (None before
+        one): what a checkpoint carries, the bounds being made from it."""
+
+    def accept(self, turn: int, largest: torch.Tensor) -> None:
+        """``largest`` (the turn's slices, accepted) becomes the turn's baseline and bounds."""
+        self.previous[turn] = largest
+        self.bounds[turn] = bound_of(largest, self.limits[turn])
 
 
 def _identity(optimizer: Any, entries: list) -> tuple:
@@ -109,12 +133,14 @@ class HeldStateCheck(Detector):
         self._entries: list = []
         self._slices: Optional[_Slices] = None
         self._checks = 0
-        self._pending: Optional[tuple] = None  # (turn or None: all, largest magnitudes, flagged per slice)
+        self._pending: Optional[tuple] = None  # (turn or None: all, largest magnitudes, at or under the bound)
+        self._planned: Optional[tuple] = None  # (turn or None: all, the slices to read) of this check
+        self._ok_out: Optional[tuple] = None  # (the check's piece, its second float)
         self._whole = False  # a rollback target was taken: the next check reads every slice
         self._loaded: Optional[list] = None  # baselines from a checkpoint, for the next slices cut
 
     def width(self) -> int:
-        return 1
+        return 2  # slices read (the check's template), slices at or under their bound: flagged = the difference
 
     def after_update(self, optimizer: Any, entries: list, next_checked: bool) -> None:
         """Learn which optimizer and entries hold the state (the first update creates Adam's)."""
@@ -141,31 +167,44 @@ class HeldStateCheck(Detector):
             self._restore(self._slices)
         return self._slices
 
-    def local(self, ctx: CheckContext, out: torch.Tensor) -> None:
+    def plan(self, ctx: CheckContext) -> Optional[tuple]:
+        """Which slices this check reads; the count read is a constant of the check's vector."""
+        self._planned = None
         if ctx.replay:  # the state is the one already judged at this step's check: its verdict stands
-            return
+            return None
         self._pending = None
         self._checks += 1
         slices = self._current()
         if slices is None:
-            return
+            return None
         turn = (self._checks - 1) % self.period
         pieces = slices.turns[turn]
         if self._whole:  # every slice, against its own turn's baseline
             turn, pieces, self._whole = None, slices.every, False
         if not pieces:
+            return None
+        self._planned = (turn, pieces)
+        return slices.counts[turn if turn is not None else -1], None
+
+    def local(self, ctx: CheckContext, out: torch.Tensor) -> None:
+        if self._planned is None:
             return
+        (turn, pieces), slices = self._planned, self._slices
         largest = torch.stack(torch._foreach_norm(pieces, float("inf"), dtype=torch.float32))
-        bad = ~torch.isfinite(largest)
-        previous, limits = ((slices.previous[turn], slices.limits[turn]) if turn is not None else
-                            (torch.cat([p for p in slices.previous if p is not None]),
-                             torch.cat([t for t in slices.limits if t is not None])))
-        bad |= (largest > previous * limits) & (previous > 0)  # after a zero: a non-finite value only
-        self._pending = (turn, largest, bad)
-        out[0] = bad.sum().to(out.device)
+        bounds = slices.bounds[turn] if turn is not None else torch.cat([b for b in slices.bounds if b is not None])
+        # At or under its bound: finite (NaN fails every comparison, Inf every finite bound) and not
+        # more than its limit times the previous (the rule non-finite | (x > prev * limit & prev > 0)).
+        ok = largest <= bounds
+        self._pending = (turn, largest, ok)
+        if self._ok_out is None or self._ok_out[0] is not out:
+            self._ok_out = (out, out[1:])
+        if ok.device == out.device:
+            torch.sum(ok, dim=0, keepdim=True, dtype=torch.float32, out=self._ok_out[1])
+        else:
+            out[1] = ok.sum().to(out.device)
 
     def verdict(self, ctx: CheckContext, reduced: list) -> list:
-        return [OFF] if reduced and reduced[0] > 0 else []
+        return [OFF] if _flagged(reduced) > 0 else []
 
     def commit(self, ctx: CheckContext, accepted: bool) -> None:
         """An accepted step's magnitudes become the next comparison's baseline once the warm-up is
@@ -173,12 +212,12 @@ class HeldStateCheck(Detector):
         if accepted and self._pending is not None and not ctx.replay and self._checks > self.cfg.warmup_steps:
             turn, largest, _ = self._pending
             if turn is not None:
-                self._slices.previous[turn] = largest
+                self._slices.accept(turn, largest)
             else:  # a whole read is every turn's baseline (else a turn it always lands on has none)
                 lengths = [len(used) for used in self._slices.used]
                 for k, part in enumerate(torch.split(largest, lengths)):
                     if lengths[k]:
-                        self._slices.previous[k] = part
+                        self._slices.accept(k, part)
         if not ctx.replay:
             self._pending = None
 
@@ -189,7 +228,8 @@ class HeldStateCheck(Detector):
         held state on the slow path and names those)."""
         if self._pending is None or self._slices is None:
             return []
-        turn, _, bad = self._pending
+        turn, _, ok = self._pending
+        bad = ~ok
         if not bool(bad.any()):
             return []
         found: dict[int, dict] = {}
@@ -234,14 +274,18 @@ class HeldStateCheck(Detector):
 
     def _restore(self, slices: _Slices) -> None:
         """Loaded baselines onto freshly cut slices, turn by turn where the counts match (the same
-        tensors cut alike); any other turn starts at +Inf."""
+        tensors cut alike); any other turn has none yet (its bounds the largest finite float)."""
         loaded, self._loaded = self._loaded, None
         if not loaded or len(loaded) != len(slices.previous):
             return
         for k, values in enumerate(loaded):
-            if values is not None and slices.previous[k] is not None and len(values) == slices.previous[k].numel():
-                slices.previous[k] = torch.tensor(values, dtype=slices.previous[k].dtype,
-                                                  device=slices.previous[k].device)
+            if values is not None and slices.limits[k] is not None and len(values) == slices.limits[k].numel():
+                slices.accept(k, torch.tensor(values, dtype=torch.float32, device=slices.limits[k].device))
 
     def extra(self, ctx: CheckContext, reduced: list) -> dict:
-        return {"state_off_slices": int(reduced[0])} if reduced and reduced[0] > 0 else {}
+        return {"state_off_slices": int(_flagged(reduced))} if _flagged(reduced) > 0 else {}
+
+
+def _flagged(reduced: list) -> float:
+    """Slices flagged over the job: read minus at or under their bound (exact integers in float32)."""
+    return reduced[0] - reduced[1] if reduced else 0.0

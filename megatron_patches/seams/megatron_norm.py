@@ -70,7 +70,7 @@ class KernelCalls:
             applier, l2 = kernel
             found = _TensorNorms(grads)
             with found:
-                result = applier(l2, torch.zeros(1, dtype=torch.int, device=grads[0].device), [grads], True)
+                result = applier(l2, _noop_flag(grads[0].device), [grads], True)
             per_tensor = result[1] if isinstance(result, tuple) and torch.is_tensor(result[1]) else None
             if per_tensor is not None and per_tensor.numel() == len(grads):
                 out.append((grads, per_tensor))
@@ -165,3 +165,15 @@ def _clips(leaf: Any) -> bool:
 def _local(grad: torch.Tensor) -> torch.Tensor:
     """What ``get_grad_norm_fp32`` reads of a gradient (a DTensor's local shard)."""
     return grad._local_tensor if hasattr(grad, "_local_tensor") else grad
+
+
+_NOOP: dict = {}
+"""Per device: the zero flag the multi-tensor kernel takes (Megatron makes one per call). The
+l2norm kernels only read it (the scaling kernels are those that set it), so one is kept."""
+
+
+def _noop_flag(device: torch.device) -> torch.Tensor:
+    flag = _NOOP.get(device)
+    if flag is None:
+        flag = _NOOP[device] = torch.zeros(1, dtype=torch.int, device=device)
+    return flag

@@ -49,20 +49,20 @@ class PreReduction:
     findings: list = field(default_factory=list)
     """Parameters Megatron's bucket check found non-finite here (:meth:`OriginWatch.note`)."""
     jumps: list = field(default_factory=list)
-    """(chunks or None, params, device ratios, reason, threshold) per fused pass: each own
+    """(chunks or None, params, ratios (:class:`_Ratios`, made when read), reason, threshold) per fused pass: each own
     gradient's norm (reason ``local_jump``, :data:`LOCAL_JUMP`), and with the peak detector on its
     crest factor (``local_peak``, the detector's ``min_ratio``), over its running mean on this rank
     (0 where there is none yet). Read on the slow path only."""
 
     bucket_jumps: list = field(default_factory=list)
-    """Device ratios of Megatron's own bucket norms over their running means on this rank, where
+    """Ratios (:class:`_Ratios`) of Megatron's own bucket norms over their running means on this rank, where
     its bucket check stood in for the guard's pass (:meth:`OriginWatch.note_bucket_norms`): they
     name no parameter, only whether this rank's gradients jumped. Read on the slow path only."""
 
     def bucket_jumped(self) -> bool:
         """Whether a bucket norm of this rank stood :data:`LOCAL_JUMP` times or more above its running
         mean before the reduction (one host read; the slow path only)."""
-        return any(bool((ratios >= LOCAL_JUMP).any()) for ratios in self.bucket_jumps)
+        return any(bool((ratios.get() >= LOCAL_JUMP).any()) for ratios in self.bucket_jumps)
 
     def is_origin(self) -> bool:
         """Reading the flag costs nothing on a quiet step: it is read on the slow path only."""
@@ -145,7 +145,10 @@ class OriginWatch:
         instead of the guard's pass): kept on the device for a running mean of each, no read."""
         if self._buckets_step != step:
             self._buckets, self._buckets_step = {}, step
-        self._buckets[id(group)] = torch.cat([norm.detach().reshape(-1).float() for norm in norms])
+        if all(n.ndim == 0 and n.dtype == torch.float32 and not n.requires_grad for n in norms):
+            self._buckets[id(group)] = torch.stack(norms)  # one call: the same floats as the general case's
+        else:
+            self._buckets[id(group)] = torch.cat([norm.detach().reshape(-1).float() for norm in norms])
 
     def watching(self) -> bool:
         """Whether a pass before the reductions can tell anything: on a single rank there is
@@ -186,18 +189,17 @@ class OriginWatch:
             found.append((chunks, params, self._ratios((key, "crest"), crests), "local_peak", self.peak_ratio))
         return found
 
-    def _ratios(self, key: object, values: torch.Tensor) -> torch.Tensor:
-        """Each value over its running mean: device ops only, no read. ``key``: the series (a fused
-        pass's norms or crest factors). The mean this step would make waits for :meth:`commit`."""
+    def _ratios(self, key: object, values: torch.Tensor) -> "_Ratios":
+        """Each value over its running mean, made when read (:class:`_Ratios`: the slow path only).
+        ``key``: the series (a fused pass's norms or crest factors). The mean this step would make
+        is made now, on the device, and waits for :meth:`commit`."""
         mean = self._means.get(key)
         finite = torch.isfinite(values)
         if mean is None or mean.shape != values.shape:
-            self._proposed[key] = torch.where(finite, values, torch.zeros_like(values))
-            return torch.zeros_like(values)
-        ratios = torch.where(finite & (mean > 0), values / mean.clamp_min(torch.finfo(mean.dtype).tiny),
-                             torch.zeros_like(values))
+            self._proposed[key] = torch.where(finite, values, 0.0)
+            return _Ratios(values, None, finite)
         self._proposed[key] = torch.where(finite, LOCAL_MEAN_DECAY * mean + (1 - LOCAL_MEAN_DECAY) * values, mean)
-        return ratios
+        return _Ratios(values, mean, finite)
 
     def commit(self, accepted: bool) -> None:
         """After the step's check: a clean step's norms join the running means; a flagged step's do not."""
@@ -205,6 +207,23 @@ class OriginWatch:
             self._means.update(self._proposed)
         self._proposed = {}
 
+
+
+class _Ratios:
+    """Each value of a step over its running mean before that step (0 where either is not finite
+    or the mean is not positive; all 0 before a mean exists), made on the device when read: only a
+    flagged step's slow path reads them, so a quiet step makes none. Its tensors are not changed
+    afterwards (a commit replaces the mean), so reading later gives what reading then would have."""
+
+    def __init__(self, values: torch.Tensor, mean: Optional[torch.Tensor], finite: torch.Tensor):
+        self.values, self.mean, self.finite = values, mean, finite
+
+    def get(self) -> torch.Tensor:
+        values, mean = self.values, self.mean
+        if mean is None:
+            return torch.zeros_like(values)
+        return torch.where(self.finite & (mean > 0), values / mean.clamp_min(torch.finfo(mean.dtype).tiny),
+                           torch.zeros_like(values))
 
 
 def _fused_norms(params: list, crests: bool = False) -> tuple[list, Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -234,7 +253,7 @@ def _jump_findings(model_chunks: ModelChunks, jumps: tuple) -> list[ParamFinding
     """This rank's parameters whose own finite gradient norm (or crest factor) stood ``threshold``
     times or more above its running mean before the reduction."""
     chunks, params, ratios, reason, threshold = jumps
-    values = ratios.tolist()
+    values = ratios.get().tolist()
     if not any(value >= threshold for value in values):
         return []
     infos = names_of(model_chunks, params) if chunks is None else naming.name_parameters(chunks, parallel_state())

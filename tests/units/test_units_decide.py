@@ -237,7 +237,7 @@ def test_a_failure_while_deciding_becomes_a_critical_stop_with_a_record():
 
 
 def test_own_gradient_norms_are_judged_against_their_running_mean_which_only_clean_steps_move():
-    """OriginWatch's ratios (device ops only, read on the slow path): none on the first step; then each
+    """OriginWatch's ratios (made on the device when read, on the slow path): none on the first step; then each
     norm over its running mean; a flagged step's norms do not join the mean, a clean step's do."""
     from megatron_patches.seams.origin import LOCAL_JUMP, OriginWatch
 
@@ -245,7 +245,7 @@ def test_own_gradient_norms_are_judged_against_their_running_mean_which_only_cle
     params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))]
 
     def ratios(norms):
-        return watch._ratios("chunks", torch.tensor(norms)).tolist()
+        return watch._ratios("chunks", torch.tensor(norms)).get().tolist()  # made when read
 
     assert ratios([1.0, 2.0]) == [0.0, 0.0]
     watch.commit(accepted=True)
@@ -278,6 +278,6 @@ def test_with_the_peak_detector_on_the_pass_before_the_reduction_judges_crest_fa
     spiked[3, 4] = grad.abs().mean() * 1000
     param.grad = spiked
     _, norms, crests = _fused_norms([param], crests=True)
-    norm_jump, crest_jump = (j[2].item() for j in watch._jumps("chunks", None, held, norms, crests))
+    norm_jump, crest_jump = (j[2].get().item() for j in watch._jumps("chunks", None, held, norms, crests))
     assert norm_jump < LOCAL_JUMP < crest_jump
     assert len(OriginWatch(enabled=True)._jumps("chunks", None, held, norms, None)) == 1

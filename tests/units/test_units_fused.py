@@ -123,7 +123,10 @@ def test_the_peers_piece_equals_the_one_filled_slot_by_slot():
     detector = PeersDetector(PeersConfig(), lambda: None)
     detector.size([3, 3])
     new = torch.zeros(detector.width())
-    detector.local(ctx, new)
+    start, index = detector.plan(ctx)  # the check fills the piece (check._Held): its start, then the squares
+    new.copy_(start)
+    new.index_put_((index[None],), ctx.squares, accumulate=True)
+    detector.local(ctx, new)  # nothing of its own
     # f3ce4c3's fill: the head slot by slot, then the squares (norm^2 * weight) into their slots.
     roles = sorted({role_of(n) for n, l in layout if l is not None})
     index = [_peerless_slot(n) if l is None else _PEERLESS + l * len(roles) + roles.index(role_of(n)) for n, l in layout]

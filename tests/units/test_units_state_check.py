@@ -36,12 +36,15 @@ def adam_with_state(seed: int = 0):
 def check(detector, step: int, accept: bool = True):
     """One check: the detector's float, its verdict, and (accepted or not) its commit."""
     ctx = CheckContext(step=step, entries=[], grads=[], norms=None, device=torch.device("cpu"))
-    out = torch.zeros(1)
+    out = torch.zeros(detector.width())
+    plan = detector.plan(ctx)  # as the check does: its start copied in, then the detector's local
+    if plan is not None:
+        out.copy_(plan[0])
     detector.local(ctx, out)
     kinds = detector.verdict(ctx, out.tolist())
     found = detector.held(ctx, RANKS)
     detector.commit(ctx, accepted=accept and not kinds)
-    return int(out[0]), kinds, found
+    return int(out[0] - out[1]), kinds, found
 
 
 def test_each_turn_reads_one_slice_of_every_held_tensor_and_a_turn_covers_every_element_once():
@@ -120,9 +123,10 @@ def test_clean_updates_a_zero_baseline_and_a_replay_flag_nothing():
     ctx = CheckContext(step=31, entries=[], grads=[], norms=None, device=torch.device("cpu"), replay=True)
     with torch.no_grad():
         optimizer.state[entries[0].main]["exp_avg"].fill_(float("nan"))
-    out = torch.zeros(1)
+    out = torch.zeros(detector.width())
+    assert detector.plan(ctx) is None
     detector.local(ctx, out)
-    assert int(out[0]) == 0  # a replay recomputes gradients; the state was judged at the step's own check
+    assert int(out[0] - out[1]) == 0  # a replay recomputes gradients; the state was judged at the step's own check
 
 
 def test_a_reloaded_optimizer_state_is_cut_afresh():
