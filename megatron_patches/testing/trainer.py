@@ -43,7 +43,10 @@ class TinyTrainer:
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        ps.initialize_model_parallel(args.tp, args.pp)
+        if not ps.model_parallel_is_initialized():  # a branch server's trainings share its groups (testing/branch_server.py)
+            ps.initialize_model_parallel(args.tp, args.pp)
+        elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (args.tp, args.pp):
+            raise UserError(f"--tp {args.tp} --pp {args.pp} differ from this process's parallel groups; start another server")
         model_parallel_cuda_manual_seed(args.seed)
         torch.manual_seed(args.seed)
         self.ps = ps
