@@ -1,35 +1,35 @@
 """Many tiny-GPT trainings in one process group, for the fault campaign (issue 55).
 
 A campaign runs thousands of short branches of one warm-up (:mod:`.branch`). Started as a process
-each (a fork per rank, a process group, a model, a teardown), a branch on these CPUs cost more to
-start and end than to train. Here one launch (``python -m megatron_patches.testing.branch_server``,
-under torchrun for several ranks) starts the process group once and then runs whatever trainings
-it is sent, one after the other, each exactly as ``python -m megatron_patches.tiny_gpt ARGS`` would:
+each (a fork per rank, a process group, a model, a teardown), a branch on these CPUs cost about as
+much to start and end as to train. Here the ranks are forked once (:class:`BranchWorker`, from the
+campaign's process, its imports done), start the process group once and then run whatever
+trainings they are sent, one after the other, each exactly as ``python -m megatron_patches.tiny_gpt
+ARGS`` would:
 
 - the guard is made anew for each training from that training's own ``--config`` and
   ``--inject`` (the patches stay installed: they are the same for every configuration; the
-  previous guard is unset first, so none of its counters, baselines, ledger or hooks carry over);
+  previous guard is unset first, so none of its counters, baselines or ledger carry over, and its
+  hooks sat on the previous model, which is dropped);
 - the model, DDP, optimizer, scheduler and sampler are built anew from ``--seed`` (the parallel
   groups and the process group are kept), and a branch then restores the snapshot it names with
   :func:`.branch.load`, as a fresh process does.
 
-Rank 0 talks to the campaign over one TCP connection (``--connect HOST:PORT``): one JSON line per
+Rank 0 talks to the campaign over one TCP connection: one JSON line per
 training in (its arguments; ``null`` ends the server), one JSON line out (``code``: what the
 process would have exited with, ``output``: rank 0's printed lines). A rank that raises anything
-else than a stop ends the whole server (its launcher ends the others), as the training's own
-process would have ended; :class:`BranchWorker` then starts a new one for the next training.
+else than a stop ends the whole server, as the training's own process would have ended;
+:class:`BranchWorker` then starts a new one for the next training.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 import traceback
@@ -100,8 +100,9 @@ def serve(connect: str, flags: list[str]) -> int:
 
 
 class BranchWorker:
-    """The campaign's side: one server of ``nproc`` ranks with the layout's ``flags``, started at
-    the first training and again after one ended it; :meth:`run` sends a training and waits."""
+    """The campaign's side: one server of ``nproc`` ranks forked from this process (its imports
+    done, as ``tests/conftest.py``'s ``run_forked`` forks a training's ranks), started at the first
+    training and again after one ended it; :meth:`run` sends a training and waits for it."""
 
     def __init__(self, nproc: int, flags: tuple, logdir: Path, start_timeout: int = 600):
         if nproc < 1:
@@ -109,25 +110,38 @@ class BranchWorker:
         self.nproc, self.flags, self.logdir, self.start_timeout = nproc, tuple(flags), Path(logdir), start_timeout
         self.starts = 0
         """How many servers this worker started (1 unless a training ended one)."""
-        self._process: Optional[subprocess.Popen] = None
+        self._pids: list[int] = []
         self._channel: Any = None
+        self._socket: Optional[socket.socket] = None
 
     def _start(self) -> None:
-        import megatron_patches
+        import importlib
 
+        for name in ("megatron.core.distributed", "megatron.core.models.gpt.gpt_model", "megatron.core.optimizer",
+                     "megatron.core.pipeline_parallel", "megatron_patches.runtime", "megatron_patches.recovery",
+                     "megatron_patches.testing.trainer", "megatron_patches.testing.cpu"):
+            importlib.import_module(name)  # once here, not in every server
         self.logdir.mkdir(parents=True, exist_ok=True)
-        listener = socket.create_server(("127.0.0.1", 0))
-        module = ["-m", "megatron_patches.testing.branch_server", "--connect", f"127.0.0.1:{listener.getsockname()[1]}"]
-        launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nproc}"] if self.nproc > 1 else []
-        source = str(Path(megatron_patches.__file__).resolve().parents[1])  # this checkout's package, not another
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-               "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))}
-        env.pop("MEGATRON_PATCHES_CONFIG", None)
         self.starts += 1
-        log = open(self.logdir / f"server-{self.starts}.log", "w", encoding="utf-8")
-        self._process = subprocess.Popen([sys.executable, *launch, *module, "--", *self.flags], env=env,
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        listener = socket.create_server(("127.0.0.1", 0))
+        connect = f"127.0.0.1:{listener.getsockname()[1]}"
+        with socket.socket() as probe:  # rank 0's store
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        log = os.open(self.logdir / f"server-{self.starts}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for rank in range(self.nproc):
+            pid = os.fork()
+            if pid == 0:  # a rank: never returns to the campaign
+                code = 1
+                try:
+                    listener.close()
+                    code = _rank(rank, self.nproc, port, log, connect, list(self.flags))
+                finally:
+                    os._exit(code)
+            self._pids.append(pid)
+        os.close(log)
         listener.settimeout(1.0)
         deadline = time.time() + self.start_timeout
         while True:
@@ -135,17 +149,26 @@ class BranchWorker:
                 connection, _ = listener.accept()
                 break
             except socket.timeout:
-                if self._process.poll() is not None or time.time() > deadline:
+                if self._gone() or time.time() > deadline:
+                    listener.close()
                     self._end()
                     raise RuntimeError(f"the branch server did not start; see {self.logdir}/server-{self.starts}.log")
         listener.close()
-        self._channel = connection.makefile("rw", encoding="utf-8")
-        self._socket = connection
+        self._socket, self._channel = connection, connection.makefile("rw", encoding="utf-8")
+
+    def _gone(self) -> Optional[int]:
+        """The exit code of a rank that ended, or None while all run."""
+        for pid in self._pids:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                self._pids.remove(pid)
+                return os.waitstatus_to_exitcode(status)
+        return None
 
     def run(self, argv: list[str], timeout: int) -> tuple[int, str]:
         """Train ``argv`` (``tiny_gpt``'s arguments); its exit code and rank 0's output. After
         ``timeout`` seconds the server is killed and the code is -9, as a killed process's."""
-        if self._process is None:
+        if not self._pids:
             self._start()
         self._socket.settimeout(timeout)
         try:
@@ -155,48 +178,70 @@ class BranchWorker:
         except (socket.timeout, OSError):
             self._end()
             return -9, ""
-        if not line:  # a rank raised: the server is gone, with the code its launcher ended with
-            code = self._process.wait()
+        if not line:  # a rank raised and ended: the server is gone, with that rank's code
+            deadline, code = time.time() + 5, None
+            while code is None and time.time() < deadline:
+                code = self._gone()
+                time.sleep(0.02)
             self._end()
-            return code or 1, f"[branch_server] ended with {code}; see {self.logdir}/server-{self.starts}.log"
+            return code or 1, f"[branch_server] a rank exited {code}; see {self.logdir}/server-{self.starts}.log"
         answer = json.loads(line)
         return int(answer["code"]), answer["output"]
 
     def _end(self) -> None:
-        if self._process is not None and self._process.poll() is None:
+        for pid in self._pids:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._process.pid, signal.SIGKILL)
-            self._process.wait()
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        self._pids = []
         if self._channel is not None:
             with contextlib.suppress(OSError):
                 self._channel.close()
                 self._socket.close()
-        self._process = self._channel = None
+        self._channel = self._socket = None
 
     def close(self) -> None:
-        """End the server (it leaves its process group and exits)."""
-        if self._process is not None:
+        """End the server: its ranks leave the process group and exit."""
+        if self._pids:
             with contextlib.suppress(OSError):
                 self._channel.write("null\n")
                 self._channel.flush()
-            try:
-                self._process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pass
+            deadline = time.time() + 60
+            while self._pids and time.time() < deadline:
+                self._gone()
+                time.sleep(0.05)
         self._end()
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_patches.testing.branch_server",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--connect", required=True, metavar="HOST:PORT", help="where the campaign listens")
-    p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: the layout's harness flags (--tp, --pp, ...)")
-    args = p.parse_args(argv)
-    flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
-    return serve(args.connect, flags)
+def _rank(rank: int, nproc: int, port: int, log: int, connect: str, flags: list[str]) -> int:
+    """A forked rank: its output to ``log``, a launcher's variables, one intra-op thread (as a
+    training's own process has them: ``tests/conftest.py``'s ``run_forked``); then :func:`serve`."""
+    import logging
 
+    import torch
 
-if __name__ == "__main__":
-    from .process_end import run_then_end
-
-    run_then_end(main)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    root = logging.getLogger()  # as a fresh process has it: the campaign's (or pytest's) handlers out
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.setLevel(logging.WARNING)
+    for handler in logging.getLogger("megatron_patches").handlers:
+        if type(handler) is logging.StreamHandler:
+            handler.setStream(sys.stderr)
+    os.environ.pop("MEGATRON_PATCHES_CONFIG", None)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    torch.set_num_threads(1)
+    try:
+        return serve(connect, flags)
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
