@@ -386,7 +386,8 @@ def main(argv=None) -> int:
         p.error(f"--budget-minutes must be > 0, got {args.budget_minutes}")
     if not args.write_docs:
         os.makedirs(args.out, exist_ok=True)
-        workdir = Path(tempfile.mkdtemp(prefix="campaign.", dir=args.out))
+        # Absolute: a branch's rollback target is a symbolic link to its snapshot.
+        workdir = Path(tempfile.mkdtemp(prefix="campaign.", dir=args.out)).resolve()
         # Seed by seed, and within a seed scope by scope over every kind and target: a layout cut by
         # --budget-minutes has run whole scopes of its first seeds.
         order = {name: i for i, name in enumerate((*cc.SCOPES, *cc.KINDS, *cc.INPUT_KINDS, *cc.TARGETS))}

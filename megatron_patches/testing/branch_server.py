@@ -18,7 +18,8 @@ ARGS`` would:
 Rank 0 talks to the campaign over one TCP connection: one JSON line per
 training in (its arguments; ``null`` ends the server), one JSON line out (``code``: what the
 process would have exited with, ``output``: rank 0's printed lines). A rank that raises anything
-else than a stop ends the whole server, as the training's own process would have ended;
+else than a stop ends the whole server, as the training's own process would have ended (a stop
+ends it too, having answered: the guard's stop takes the process group down with the run);
 :class:`BranchWorker` then starts a new one for the next training.
 """
 
@@ -90,6 +91,11 @@ def serve(connect: str, flags: list[str]) -> int:
                 traceback.print_exc()
                 sys.stderr.flush()
                 os._exit(1)
+        if not torch.distributed.is_initialized():  # a stop of the guard ended the process group with the run
+            if rank == 0:  # every rank stopped with this code; the server ends with them
+                channel.write(json.dumps({"code": code, "output": printed.getvalue(), "ends": True}) + "\n")
+                channel.flush()
+            return 0
         codes = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(codes, code)
         if rank == 0:  # as a launcher of the ranks reports: the first rank's non-zero code
@@ -186,6 +192,8 @@ class BranchWorker:
             self._end()
             return code or 1, f"[branch_server] a rank exited {code}; see {self.logdir}/server-{self.starts}.log"
         answer = json.loads(line)
+        if answer.get("ends"):  # the training stopped the ranks: the next one starts a new server
+            self.close()
         return int(answer["code"]), answer["output"]
 
     def _end(self) -> None:
