@@ -78,8 +78,12 @@ def test_the_branch_server_measures_what_a_process_per_branch_measures(tmp_path,
         for engine, layout in layouts.items():
             layout.prepare()
             rows[engine] = [layout.cell(cell) for cell in CELLS[name]]
+            # A stop: the guard ends the run (exit and restart instead of its in-process rollback);
+            # the server answers its code and ends, and the controls after it run in a new one.
+            layout.branch("stopped", "defaults", "--recovery", "exit", "--inject", cc.Cell("nan", "element", "param", name).spec())
             controls[engine] = layout.controls(1)
-        assert layouts["server"].worker.starts == 1  # no training ended the server: all of them ran in one
+        assert layouts["server"].worker.starts == 2  # the stop ended the first server, nothing else did
+        assert recorded["server"]["stopped"]["stopped"] is not None
     finally:
         for layout in layouts.values():
             layout.close()
