@@ -12,7 +12,9 @@ twin (drill fired, nothing observed) that measures the harm and serves both conf
 one guarded branch per configuration. A guarded branch is compared with the clean twin that skipped
 the iterations its guard skipped (made once per set of skipped steps). Fault-free control runs
 (mock and real text, ``--controls`` seeds each) count false positives. scripts/campaign_score.py
-scores; every branch is a fork of this process (tests/conftest.py), ranks included.
+scores. A layout's trainings run one after the other in one process group of its ranks
+(megatron_patches/testing/branch_server.py: the guard and the model made anew for each, the
+snapshot restored); ``--engine process`` forks this process per training instead (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ TEXT = ["--data", f"text:{Path(json.__file__).parent}", "--data-max-mib", "1", "
 """Real text for the controls: the byte tokens of Python's json package sources."""
 _STEP = re.compile(r"^step\s+(\d+)/\d+ \| loss (\S+)")
 _STATE = ("weights", "main", "exp_avg", "exp_avg_sq")
+ENGINES = ("server", "process")
+"""How a layout's trainings run: ``server``, one after the other in one process group
+(megatron_patches/testing/branch_server.py); ``process``, a fork of this process per training
+(tests/conftest.py's run_tiny: the engine the server is checked against)."""
 
 
 def configs() -> dict:
@@ -102,24 +108,40 @@ def loss_delta(loss, clean):
 class Layout:
     """One layout's branches: warm-up snapshots, clean twins, the band, cells and controls."""
 
-    def __init__(self, layout: str, workdir: Path, timeout: int, nudges: tuple = NUDGES):
+    def __init__(self, layout: str, workdir: Path, timeout: int, nudges: tuple = NUDGES, engine: str = "server"):
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
         self.layout, self.timeout, self.nudges = layout, timeout, nudges
         self.nproc, self.flags = cc.LAYOUTS[layout][:2]
         self.workdir = workdir / layout
+        self.worker = None
+        if engine == "server":  # every training of the layout in one process group (testing/branch_server.py)
+            from megatron_patches.testing.branch_server import BranchWorker
+
+            self.worker = BranchWorker(self.nproc, self.flags, self.workdir / "server")
         self.configs = configs()
         self.snapshots: dict = {}
         self.twins: dict = {}  # (config, skipped steps, samples left out) -> (dumps, end loss)
         self.count = 0
 
     def _run(self, out: Path, config: str, *args: str) -> tuple[int, str]:
-        from conftest import run_tiny
-
         out.mkdir(parents=True, exist_ok=True)
         path = out / "guard.json"
         path.write_text(json.dumps(self.configs[config]))  # JSON is YAML
-        run = run_tiny(out, "--config", str(path), *self.flags, *args, nproc=self.nproc, timeout=self.timeout)
-        (out / "output.log").write_text(run.output)
-        return run.returncode, run.output
+        argv = ["--config", str(path), *self.flags, *args]
+        if self.worker is not None:
+            code, output = self.worker.run(["--out", str(out), *argv], self.timeout)
+        else:
+            from conftest import run_tiny
+
+            run = run_tiny(out, *argv, nproc=self.nproc, timeout=self.timeout)
+            code, output = run.returncode, run.output
+        (out / "output.log").write_text(output)
+        return code, output
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
 
     def warm_up(self) -> None:
         import torch
@@ -256,7 +278,7 @@ def commit() -> dict:
 
 
 def campaign(cells: list, workdir: Path, controls: int, budget: float = math.inf, timeout: int = 300,
-             progress=print, nudges: tuple = NUDGES) -> tuple[list, dict]:
+             progress=print, nudges: tuple = NUDGES, engine: str = "server") -> tuple[list, dict]:
     """Run ``cells`` (several layouts allowed) and ``controls`` seeds per data kind; rows and the
     meta/totals line. Cells of a layout not begun ``budget`` seconds after it started are left out
     (the meta says how many ran); its controls run all the same."""
@@ -265,25 +287,30 @@ def campaign(cells: list, workdir: Path, controls: int, budget: float = math.inf
     rows, clean, layouts, code = [], [], {}, commit()  # the code that runs, before anything is written
     for name in dict.fromkeys(c.layout for c in cells):
         started = time.time()
-        layout = Layout(name, workdir, timeout, nudges)
-        layout.prepare()
-        mine = [c for c in cells if c.layout == name]
-        done = 0
-        for cell in mine:
-            if time.time() > started + budget:
-                break
-            row = layout.cell(cell)
-            rows.append(row)
-            with open(workdir / "rows.partial.jsonl", "a", encoding="utf-8") as partial:  # kept if the run dies
-                partial.write(json.dumps(row) + "\n")
-            done += 1
-            progress(f"[campaign] {row['key']:<48} harmful {row['harmful']!s:<5} " + " ".join(
-                f"{c}: {'L' if row[c]['localized'] else 'd' if row[c]['detected'] else '-'}"
-                f"{'' if row[c]['recovered'] else '!'}" for c in cc.CONFIGS))
-        cells_seconds = time.time() - started
-        clean += layout.controls(controls)
+        layout = Layout(name, workdir, timeout, nudges, engine)
+        try:
+            layout.prepare()
+            mine = [c for c in cells if c.layout == name]
+            done, cells_started = 0, time.time()
+            for cell in mine:
+                if time.time() > started + budget:
+                    break
+                row = layout.cell(cell)
+                rows.append(row)
+                with open(workdir / "rows.partial.jsonl", "a", encoding="utf-8") as partial:  # kept if the run dies
+                    partial.write(json.dumps(row) + "\n")
+                done += 1
+                progress(f"[campaign] {row['key']:<48} harmful {row['harmful']!s:<5} " + " ".join(
+                    f"{c}: {'L' if row[c]['localized'] else 'd' if row[c]['detected'] else '-'}"
+                    f"{'' if row[c]['recovered'] else '!'}" for c in cc.CONFIGS))
+            cells_seconds, per_cell = time.time() - started, (time.time() - cells_started) / max(done, 1)
+            clean += layout.controls(controls)
+        finally:
+            layout.close()
         layouts[name] = {"cells_planned": len(mine), "cells_run": done, "branches": layout.count,
                          "seconds": round(time.time() - started), "seconds_without_controls": round(cells_seconds),
+                         "seconds_per_cell": round(per_cell, 2), "engine": engine,
+                         "servers_started": layout.worker.starts if layout.worker else None,
                          "band": layout.band, "warmups_bit_equal": layout.warmups_equal,
                          "guarded_clean_twin_bit_equal_to_unguarded": layout.guard_equal}
     meta = {**code, "layouts": layouts, "megatron_core": version("megatron-core"), "cpus": os.cpu_count(),
@@ -349,6 +376,8 @@ def main(argv=None) -> int:
                    help="per layout: begin no cell after this many minutes (default: no limit; the file says which ran)")
     p.add_argument("--out", default="runs/campaign", help="where the branches run (default runs/campaign)")
     p.add_argument("--jsonl", default=str(JSONL), help=f"the result (default {JSONL.relative_to(REPO)})")
+    p.add_argument("--engine", choices=ENGINES, default="server",
+                   help="server (default): a layout's trainings in one process group; process: a fork per training")
     p.add_argument("--write-docs", action="store_true", help="only regenerate docs/reliability.md's table from --jsonl")
     args = p.parse_args(argv)
     if args.controls < 1:
@@ -357,7 +386,8 @@ def main(argv=None) -> int:
         p.error(f"--budget-minutes must be > 0, got {args.budget_minutes}")
     if not args.write_docs:
         os.makedirs(args.out, exist_ok=True)
-        workdir = Path(tempfile.mkdtemp(prefix="campaign.", dir=args.out))
+        # Absolute: a branch's rollback target is a symbolic link to its snapshot.
+        workdir = Path(tempfile.mkdtemp(prefix="campaign.", dir=args.out)).resolve()
         # Seed by seed, and within a seed scope by scope over every kind and target: a layout cut by
         # --budget-minutes has run whole scopes of its first seeds.
         order = {name: i for i, name in enumerate((*cc.SCOPES, *cc.KINDS, *cc.INPUT_KINDS, *cc.TARGETS))}
@@ -365,7 +395,7 @@ def main(argv=None) -> int:
             cc.cells(tuple(args.layouts), tuple(args.targets or ())),
             key=lambda c: (c.layout, c.seed, order[c.scope], order[c.kind], order[c.target]))
         rows, tail = campaign(cells, workdir, args.controls, args.budget_minutes * 60,
-                              nudges=QUICK_NUDGES if args.quick else NUDGES)
+                              nudges=QUICK_NUDGES if args.quick else NUDGES, engine=args.engine)
         write_jsonl(Path(args.jsonl), rows, tail)
         print(json.dumps(tail["totals"], indent=1))
     rows, tail = read_jsonl(Path(args.jsonl))

@@ -28,6 +28,16 @@ from .run_log import RunLog
 log = logging.getLogger("megatron_patches")
 
 
+def _parallel_groups(ps: Any, args: argparse.Namespace) -> None:
+    """megatron-core's parallel groups for ``--tp``/``--pp``, made once per process: a branch
+    server's trainings (testing/branch_server.py) share the first one's."""
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(args.tp, args.pp)
+    elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (args.tp, args.pp):
+        raise UserError(f"--tp {args.tp} --pp {args.pp} differ from this process's parallel groups "
+                        f"(a branch server serves one layout); start a server for this layout")
+
+
 class TinyTrainer:
     """A tiny GPT on megatron-core, trained step by step; also the loop that
     :class:`~megatron_patches.recovery.InProcessRecovery` replays and rolls back."""
@@ -43,7 +53,7 @@ class TinyTrainer:
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        ps.initialize_model_parallel(args.tp, args.pp)
+        _parallel_groups(ps, args)
         model_parallel_cuda_manual_seed(args.seed)
         torch.manual_seed(args.seed)
         self.ps = ps

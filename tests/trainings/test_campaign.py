@@ -1,6 +1,7 @@
 """The fault campaign scored by harm (issue 55): the scorer's rules with negative controls
 (scripts/campaign_score.py, no training), the quick campaign (a few cells on one rank and DP2,
-branches of one clean warm-up) scoring what docs/campaign_quick.jsonl says, the full file
+branches of one clean warm-up, run by one branch server per layout: test_campaign_engine.py checks
+it against a process per branch) scoring what docs/campaign_quick.jsonl says, the full file
 (slow), and the table in docs/reliability.md generated from docs/campaign.jsonl."""
 
 import json
