@@ -135,20 +135,23 @@ class ParamSeries:
         if layout == self._layout and self.stats is not None:
             return self.stats
         keys = tuple((e.info.name, tuple(e.model.shape)) for e in ctx.entries)
-        if self.stats is not None and self.keys is not None:
-            source, old_keys = self.stats, self.keys
-        elif self._loaded is not None:
-            source = _Stats.from_lists(self._loaded, torch.device("cpu"))
-            old_keys = tuple((n, tuple(s)) for n, s in zip(self._loaded["names"], self._loaded["shapes"]))
-            self._loaded = None
-        else:
-            source, old_keys = None, ()
+        source, old_keys = self._previous(lambda lists: _Stats.from_lists(lists, torch.device("cpu")))
         where = {k: i for i, k in enumerate(old_keys)}
         index = [where.get(k, -1) for k in keys]
         self.stats = source.take(index, ctx.device) if source is not None else _Stats(len(keys), ctx.device)
         self.keys, self._layout = keys, layout
         self.judged = torch.tensor([not is_vocabulary(k[0]) for k in keys], dtype=torch.bool, device=ctx.device)
         return self.stats
+
+    def _previous(self, made: Any) -> tuple:
+        """The statistics a new layout of rows carries over and their keys: those kept, else those
+        a checkpoint loaded (``made`` turns its lists into statistics, once), else none."""
+        if self.stats is not None and self.keys is not None:
+            return self.stats, self.keys
+        if self._loaded is None:
+            return None, ()
+        loaded, self._loaded = self._loaded, None
+        return made(loaded), tuple((n, tuple(s)) for n, s in zip(loaded["names"], loaded["shapes"]))
 
     def state(self) -> Optional[dict]:
         """Names, shapes and statistics (lists), or None with none kept."""
@@ -210,14 +213,7 @@ class HostParamSeries(ParamSeries):
         if layout == self._layout and self.stats is not None:
             return self.stats
         keys = tuple((e.info.name, tuple(e.model.shape)) for e in ctx.entries)
-        if self.stats is not None and self.keys is not None:
-            source, old_keys = self.stats, self.keys
-        elif self._loaded is not None:
-            source = _Stats.from_lists(self._loaded, dtype=_F32)
-            old_keys = tuple((n, tuple(s)) for n, s in zip(self._loaded["names"], self._loaded["shapes"]))
-            self._loaded = None
-        else:
-            source, old_keys = None, ()
+        source, old_keys = self._previous(lambda lists: _Stats.from_lists(lists, dtype=_F32))
         where = {k: i for i, k in enumerate(old_keys)}
         self.stats = _Stats(len(keys), dtype=_F32)
         for new, old in enumerate(where.get(k, -1) for k in keys):
