@@ -81,7 +81,8 @@ def run_forked(target, timeout: int = 300, nproc: int = 1) -> tuple[int, str]:
     import time
 
     import psutil
-    import torch
+
+    from megatron_patches.testing.forked import become_fresh
 
     _import_what_the_harness_imports()
     port = free_port()
@@ -94,22 +95,9 @@ def run_forked(target, timeout: int = 300, nproc: int = 1) -> tuple[int, str]:
         if pid == 0:  # a child: never returns into pytest
             code = 1
             try:
-                os.dup2(log_fd, 1)
-                os.dup2(log_fd, 2)
-                sys.stdout = open(1, "w", buffering=1, closefd=False)
-                sys.stderr = open(2, "w", buffering=1, closefd=False)
-                root = logging.getLogger()  # as a fresh process has it: pytest's capture handlers out
-                for handler in list(root.handlers):
-                    root.removeHandler(handler)
-                root.setLevel(logging.WARNING)
-                for handler in logging.getLogger("megatron_patches").handlers:
-                    if type(handler) is logging.StreamHandler:
-                        handler.setStream(sys.stderr)
-                os.environ.pop("MEGATRON_PATCHES_CONFIG", None)
+                become_fresh(log_fd)
                 if nproc > 1:
                     os.environ.update(launch_variables(rank, nproc, port))
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                torch.set_num_threads(1)
                 try:
                     code = target()
                 except SystemExit as stop:

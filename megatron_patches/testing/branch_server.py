@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import UserError
+from .forked import become_fresh
 
 
 def _training(argv: list[str], device: str) -> int:
@@ -225,26 +226,9 @@ class BranchWorker:
 def _rank(rank: int, nproc: int, port: int, log: int, connect: str, flags: list[str]) -> int:
     """A forked rank: its output to ``log``, a launcher's variables, one intra-op thread (as a
     training's own process has them: ``tests/conftest.py``'s ``run_forked``); then :func:`serve`."""
-    import logging
-
-    import torch
-
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
-    root = logging.getLogger()  # as a fresh process has it: the campaign's (or pytest's) handlers out
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-    root.setLevel(logging.WARNING)
-    for handler in logging.getLogger("megatron_patches").handlers:
-        if type(handler) is logging.StreamHandler:
-            handler.setStream(sys.stderr)
-    os.environ.pop("MEGATRON_PATCHES_CONFIG", None)
+    become_fresh(log)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    torch.set_num_threads(1)
     try:
         return serve(connect, flags)
     except BaseException:
