@@ -74,11 +74,15 @@ class _Stats:
     def to_lists(self) -> dict:
         return {name: getattr(self, name).tolist() for name in self.FIELDS}
 
-    def take(self, index: list[int], device: torch.device) -> "_Stats":
-        """Rows ``index`` (-1: a fresh row) as a new device _Stats."""
-        out = _Stats(len(index), device)
+    def take(self, index: list[int], device: Optional[torch.device] = None, dtype: type = np.float64) -> "_Stats":
+        """Rows ``index`` (-1: a fresh row) as a new _Stats on ``device``, else on the host in ``dtype``."""
+        out = _Stats(len(index), device, dtype)
         keep = [(new, old) for new, old in enumerate(index) if old >= 0]
-        if keep:
+        if keep and device is None:
+            new_rows, old_rows = np.array([n for n, _ in keep]), np.array([o for _, o in keep])
+            for name in self.FIELDS:
+                getattr(out, name)[new_rows] = getattr(self, name)[old_rows]
+        elif keep:
             new_rows = torch.tensor([n for n, _ in keep], device=device)
             old_rows = torch.tensor([o for _, o in keep], device=self.mean.device)
             for name in self.FIELDS:
@@ -122,6 +126,10 @@ class ParamSeries:
     entries change (a restart, a new optimizer) and start fresh for a new one. Vocabulary tensors are never judged
     (:func:`is_vocabulary`): ``judged`` is False for them."""
 
+    HOST = False
+    """The rows on the host (numpy of :attr:`DTYPE`, ``judged`` a numpy mask) instead of the check's device."""
+    DTYPE: type = np.float64
+
     def __init__(self) -> None:
         self.stats: Optional[_Stats] = None
         self.keys: Optional[tuple] = None  # (name, shape) per row
@@ -135,23 +143,32 @@ class ParamSeries:
         if layout == self._layout and self.stats is not None:
             return self.stats
         keys = tuple((e.info.name, tuple(e.model.shape)) for e in ctx.entries)
-        source, old_keys = self._previous(lambda lists: _Stats.from_lists(lists, torch.device("cpu")))
+        device = None if self.HOST else ctx.device
+        source, old_keys = self._previous()
         where = {k: i for i, k in enumerate(old_keys)}
         index = [where.get(k, -1) for k in keys]
-        self.stats = source.take(index, ctx.device) if source is not None else _Stats(len(keys), ctx.device)
+        self.stats = (source.take(index, device, self.DTYPE) if source is not None
+                      else _Stats(len(keys), device, self.DTYPE))
         self.keys, self._layout = keys, layout
-        self.judged = torch.tensor([not is_vocabulary(k[0]) for k in keys], dtype=torch.bool, device=ctx.device)
+        judged = [not is_vocabulary(k[0]) for k in keys]
+        self.judged = (np.array(judged, dtype=bool) if self.HOST
+                       else torch.tensor(judged, dtype=torch.bool, device=ctx.device))
+        self._rows_changed()
         return self.stats
 
-    def _previous(self, made: Any) -> tuple:
+    def _rows_changed(self) -> None:
+        """Called when :meth:`rows` made new rows."""
+
+    def _previous(self) -> tuple:
         """The statistics a new layout of rows carries over and their keys: those kept, else those
-        a checkpoint loaded (``made`` turns its lists into statistics, once), else none."""
+        a checkpoint loaded (made into statistics once), else none."""
         if self.stats is not None and self.keys is not None:
             return self.stats, self.keys
         if self._loaded is None:
             return None, ()
         loaded, self._loaded = self._loaded, None
-        return made(loaded), tuple((n, tuple(s)) for n, s in zip(loaded["names"], loaded["shapes"]))
+        made = _Stats.from_lists(loaded, None if self.HOST else torch.device("cpu"), self.DTYPE)
+        return made, tuple((n, tuple(s)) for n, s in zip(loaded["names"], loaded["shapes"]))
 
     def state(self) -> Optional[dict]:
         """Names, shapes and statistics (lists), or None with none kept."""
@@ -165,8 +182,6 @@ class ParamSeries:
         self.stats, self.keys, self.judged, self._layout, self._loaded = None, None, None, None, lists
 
 
-
-
 def is_vocabulary(name: str) -> bool:
     """Tensors indexed by token (word embeddings, the output layer): their gradient lives in
     the rows of the tokens a batch holds, so it bursts whenever rare tokens come by (with
@@ -174,8 +189,6 @@ def is_vocabulary(name: str) -> bool:
     passage). Their history is not a baseline; ``peers`` judges them by their share of the
     model, from the first step."""
     return name.endswith(("word_embeddings.weight", "output_layer.weight"))
-
-
 
 
 # --- the history's per-parameter series: host statistics, device judgement ------------------
@@ -194,6 +207,9 @@ class HostParamSeries(ParamSeries):
     order of the check's entries as :class:`ParamSeries` keeps them; ``judged`` a numpy mask. Holds
     the thresholds the device compares with (:meth:`device_thresholds`)."""
 
+    HOST = True
+    DTYPE = np.float32
+
     def __init__(self) -> None:
         super().__init__()
         self.version = 0
@@ -208,23 +224,9 @@ class HostParamSeries(ParamSeries):
         self._root: Optional[tuple] = None  # where a CPU run takes its square roots: (variances, roots)
         self._root_np: Optional[tuple] = None  # their numpy views
 
-    def rows(self, ctx: CheckContext) -> _Stats:
-        layout = tuple(map(id, ctx.entries))
-        if layout == self._layout and self.stats is not None:
-            return self.stats
-        keys = tuple((e.info.name, tuple(e.model.shape)) for e in ctx.entries)
-        source, old_keys = self._previous(lambda lists: _Stats.from_lists(lists, dtype=_F32))
-        where = {k: i for i, k in enumerate(old_keys)}
-        self.stats = _Stats(len(keys), dtype=_F32)
-        for new, old in enumerate(where.get(k, -1) for k in keys):
-            if old >= 0 and source is not None:
-                for name in _Stats.FIELDS:
-                    getattr(self.stats, name)[new] = getattr(source, name)[old]
-        self.keys, self._layout = keys, layout
-        self.judged = np.array([not is_vocabulary(k[0]) for k in keys], dtype=bool)
+    def _rows_changed(self) -> None:
         self._host = self._host_np = self._device = self._root = self._root_np = None
         self.version += 1
-        return self.stats
 
     def sd(self, device: torch.device) -> np.ndarray:
         """``clip(sqrt(var), _MIN_SD)`` in float32, with the square root of the device the rule ran on
