@@ -37,31 +37,27 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import UserError
 from .forked import become_fresh
 
 
 def _training(argv: list[str], device: str) -> int:
     """Run one training as ``tiny_gpt.main(argv)`` would, in this process; its exit code."""
-    from ..runtime import install
     from ..seams import wrappers
-    from .tiny_gpt import harness_config, parse_args
+    from ..runtime import install
+    from .tiny_gpt import exit_code, harness_config, parse_args
     from .trainer import TinyTrainer
 
-    wrappers.set_monitor(None)  # the previous training's guard, with everything it kept
-    try:
+    def train() -> dict:
         args = parse_args(argv)
         config = None if args.no_guard else harness_config(args)
         monitor = install(config) if config is not None else None
-        result = TinyTrainer(args, device, monitor).train()
-    except UserError as exc:
-        print(f"tiny_gpt: error: {exc}", file=sys.stderr)
-        return 2
-    except SystemExit as exc:  # the guard stopped every rank with a documented code
-        return int(exc.code or 0)
+        return TinyTrainer(args, device, monitor).train()
+
+    wrappers.set_monitor(None)  # the previous training's guard, with everything it kept
+    try:
+        return exit_code(train)
     finally:
         wrappers.set_monitor(None)
-    return 0 if result["params_finite"] else 1
 
 
 def serve(connect: str, flags: list[str]) -> int:

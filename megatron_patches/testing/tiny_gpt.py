@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from ..errors import UserError
 
@@ -223,10 +223,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def exit_code(train: Callable[[], dict]) -> int:
+    """``train()``'s exit code, the harness's: 0 when the weights ended finite, else 1; 2 with one
+    line for a wrong argument; the guard's documented code when it stopped every rank."""
+    try:
+        result = train()
+    except UserError as exc:
+        print(f"tiny_gpt: error: {exc}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0 if result["params_finite"] else 1
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     import torch
 
-    try:
+    def train() -> dict:
         args = parse_args(argv)
         config = None if args.no_guard else harness_config(args)
         _launch_env(args)
@@ -239,16 +252,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.distributed.init_process_group(backend=backend)
         from .trainer import TinyTrainer
 
-        result = TinyTrainer(args, device, monitor).train()
-    except UserError as exc:
-        print(f"tiny_gpt: error: {exc}", file=sys.stderr)
-        return 2
-    except SystemExit as exc:  # the guard stopped every rank with a documented code
-        return int(exc.code or 0)
+        return TinyTrainer(args, device, monitor).train()
+
+    try:
+        return exit_code(train)
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    return 0 if result["params_finite"] else 1
 
 
 if __name__ == "__main__":
