@@ -30,28 +30,18 @@ from megatron_patches.detectors.peers import PeersDetector
 from megatron_patches.detectors.state import _FLT_MAX, bound_of
 
 from test_units_fused import OldStats, awkward_grads, old_shares, same_bits
+from test_units_fused import series as norm_steps
 
 
 def steps(seed: int, count: int, size: int):
-    """Per step: float32 norms (spikes x1,000, NaN, Inf, zeros, now and then every norm zero or one
-    norm holding all), and whether the step is accepted."""
-    gen = torch.Generator().manual_seed(seed)
-    base = torch.rand(size, generator=gen) * 3 + 0.1
-    for step in range(count):
-        norms = base * (1 + 0.3 * torch.rand(size, generator=gen))
-        if step % 5 == 4:
-            norms[step % size] *= 1000.0
-        if step % 7 == 6:
-            norms[(step * 3) % size] = math.nan
-        if step % 11 == 10:
-            norms[(step * 5) % size] = math.inf
-        if step % 13 == 12:
-            norms[(step * 2) % size] = 0.0
+    """Per step: test_units_fused's series (spikes x1,000, NaN, Inf, zeros, bf16 and fp16 norms) and
+    two more: every norm zero, then one norm holding all; whether the step is accepted."""
+    for step, (norms, accepted) in enumerate(norm_steps(seed, count, size)):
         if step == count // 3:
             norms.zero_()  # every share 0/0: none valid
         if step == count // 3 + 1:
             norms[1:] = 1e-30  # one tensor holds all: its rest floored at 1e-16 of its square
-        yield norms, step % 9 != 8
+        yield norms, accepted
 
 
 def fused_step(series_, norms, mask, cfg, turn=None):
