@@ -131,6 +131,19 @@ def iterations(output: str) -> dict[int, str]:
     return {int(m.group(1)): m.group(2) for m in ITERATION_LINE.finditer(output)}
 
 
+REDONE = re.compile(r"\[megatron_patches\] redone iteration\s+(\d+)/\s*\d+ \| lm loss: ([^ |]+)")
+"""The guard's log line of an iteration an in-process rollback redid (Megatron's loop logged its first run)."""
+
+
+def logged_losses(*outputs: str) -> dict[int, str]:
+    """Each iteration's ``lm loss`` as logged in ``outputs`` (a later output's wins), a redone
+    iteration's (the last output's :data:`REDONE` lines) winning over its first run's."""
+    losses = {i: m.group(1) for out in outputs for i, line in iterations(out).items()
+              if (m := re.search(r"lm loss: ([^ |]+)", line))}
+    losses.update({int(i): loss for i, loss in REDONE.findall(outputs[-1])})
+    return losses
+
+
 def incidents(tmp_path: Path) -> list[dict]:
     path = tmp_path / "reports" / "incidents.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import run_packaged_loop
 from megatron_lm_loop import (  # noqa: F401 (loop_kind, megatron_lm_checkout: fixtures)
-    ITERATION_LINE, TINY, _packaged_loop_available, guard_env, incidents, iterations, loop_kind, make_loop,
+    ITERATION_LINE, REDONE, TINY, _packaged_loop_available, guard_env, incidents, iterations, loop_kind, make_loop,
     megatron_lm_checkout, rollback_run)
 
 pytestmark = pytest.mark.multiproc
@@ -158,7 +158,6 @@ def test_a_tensor_parallel_job_resumes_past_the_iterations_a_rollback_skips(loop
 
 
 IN_PROCESS = {"recovery": {"mode": "in_process", "lr_factor": 1, "blacklist": "deterministic", "snapshot_interval": 2}}
-REDONE = re.compile(r"\[megatron_patches\] redone iteration\s+(\d+)/\s*\d+ \| lm loss: ([^ |]+)")
 
 
 @pytest.mark.skipif(not _packaged_loop_available(), reason="megatron-core ships megatron/training from 0.17 on")

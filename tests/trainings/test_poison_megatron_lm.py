@@ -13,13 +13,12 @@ Ranks are forked from pytest (conftest.run_packaged_loop), two data-parallel ran
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 
 from megatron_patches.ledger import Ledger
 from megatron_patches.seams.megatron_lm import inprocess as megatron_lm_inprocess
-from megatron_lm_loop import FC1, Loop, _packaged_loop_available, guard_env, incidents, iterations
+from megatron_lm_loop import FC1, Loop, _packaged_loop_available, guard_env, incidents, iterations, logged_losses
 
 pytestmark = [pytest.mark.multiproc,
               pytest.mark.skipif(not _packaged_loop_available(),
@@ -33,7 +32,6 @@ LATER = f"nan:step=6,rank=1,phase=local,param={FC1}"
 CONFIG = {"recovery": {"blacklist": "deterministic", "snapshot_interval": 2, "lr_factor": 1}}
 OWN_CHECK_OFF = "--no-check-for-nan-in-loss-and-grad"
 """Megatron's loss check off: the guard skips the step and replays its forward pass itself."""
-REDONE = re.compile(r"\[megatron_patches\] redone iteration\s+(\d+)/\s*\d+ \| lm loss: ([^ |]+)")
 
 
 def train(tmp_path, *drills: str, iters: int = ITERS, flags: tuple = (OWN_CHECK_OFF,)) -> dict:
@@ -41,8 +39,7 @@ def train(tmp_path, *drills: str, iters: int = ITERS, flags: tuple = (OWN_CHECK_
     proc = Loop(None).run(guard_env(tmp_path, inject=list(drills), **CONFIG), "--train-iters", str(iters),
                           "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "100", *flags)
     output = proc.stdout + proc.stderr
-    losses = {i: m.group(1) for i, line in iterations(output).items() if (m := re.search(r"lm loss: ([^ |]+)", line))}
-    losses.update({int(i): loss for i, loss in REDONE.findall(output)})  # a redone iteration's loss wins
+    losses = logged_losses(output)
     return {"code": proc.returncode, "output": output, "incidents": incidents(tmp_path), "losses": losses,
             "ledger": Ledger.load(str(ckpt))}
 

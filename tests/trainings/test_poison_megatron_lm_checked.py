@@ -21,30 +21,25 @@ import pytest
 
 from megatron_patches.ledger import Ledger
 from megatron_patches.seams.megatron_lm import TRACKER_FILE
-from megatron_lm_loop import FC1, Loop, _packaged_loop_available, guard_env, incidents, iterations
+from megatron_lm_loop import FC1, Loop, _packaged_loop_available, guard_env, incidents, iterations, logged_losses
+from test_poison_megatron_lm import LATER, POISON  # the poisoned sample and the gradient NaN after it
 
 pytestmark = [pytest.mark.multiproc,
               pytest.mark.skipif(not _packaged_loop_available(),
                                  reason="the installed megatron-core ships no megatron/training (0.17+ does)")]
 
 ITERS = 9
-POISON = "poison:sample=17"
-"""Iteration 5 reads positions 16..19 (global batch 4): 16, 17 on rank 0 (17 its second row), 18, 19 on rank 1."""
-LATER = f"nan:step=6,rank=1,phase=local,param={FC1}"
-"""Rank 1's own fc1 gradient NaN at iteration 6: the second incident in a row, a rollback in process."""
 GRADIENT = f"nan:step=8,rank=0,phase=local,param={FC1}"
 """Rank 0's own fc1 gradient NaN at iteration 8, once: Megatron's rerun in place finds it gone."""
 CONFIG = {"recovery": {"blacklist": "deterministic", "snapshot_interval": 1, "lr_factor": 1}}
 """A snapshot every iteration: at a rollback the newest certified one is no older than the newest checkpoint."""
-REDONE = re.compile(r"\[megatron_patches\] redone iteration\s+(\d+)/\s*\d+ \| lm loss: ([^ |]+)")
 
 
 def train(tmp_path, ckpt, *drills: str, extra: tuple = ()) -> dict:
     proc = Loop(None).run(guard_env(tmp_path, inject=list(drills), **CONFIG), "--save", str(ckpt), "--load", str(ckpt),
                           *extra)
     output = proc.stdout + proc.stderr
-    losses = {i: m.group(1) for i, line in iterations(output).items() if (m := re.search(r"lm loss: ([^ |]+)", line))}
-    losses.update({int(i): loss for i, loss in REDONE.findall(output)})  # a redone iteration's loss wins
+    losses = logged_losses(output)
     return {"code": proc.returncode, "output": output, "incidents": incidents(tmp_path), "losses": losses,
             "ledger": Ledger.load(str(ckpt))}
 

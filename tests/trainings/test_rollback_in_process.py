@@ -19,7 +19,7 @@ import pytest
 
 from megatron_patches.seams.megatron_lm import inprocess as megatron_lm_inprocess, state as megatron_lm_state
 from megatron_patches.testing import step_probe
-from megatron_lm_loop import FC1, TINY, Loop, _packaged_loop_available, guard_env, incidents, iterations, patched_copy
+from megatron_lm_loop import FC1, TINY, Loop, _packaged_loop_available, guard_env, incidents, iterations, logged_losses, patched_copy
 from test_variant_loops import BF16_STATES, OFFLOAD, PRECISION_AWARE, VARIANTS, connections
 
 pytestmark = [pytest.mark.multiproc,
@@ -57,7 +57,6 @@ LAYOUTS = {
                  "--disable-bias-linear", "--bf16", "--use-distributed-optimizer"),
                 "nan:step=5,count=2,rank=1,phase=local,param=decoder.layers.1.self_attention.linear_qkv.weight"),
 }
-REDONE = re.compile(r"\[megatron_patches\] redone iteration\s+(\d+)/\s*\d+ \| lm loss: ([^ |]+)")
 
 
 def train(tmp_path, name: str, *flags: str, drill: str | None = None, config: dict = EXACT, iters: int = ITERS,
@@ -75,9 +74,7 @@ def train(tmp_path, name: str, *flags: str, drill: str | None = None, config: di
     code, output = proc.returncode, proc.stdout + proc.stderr
     probes = step_probe.read(where / "probe")
     last = {rank: {line["iteration"]: line for line in lines} for rank, lines in probes.items()}  # a redo's line wins
-    losses = {i: m.group(1) for out in (*earlier, output) for i, line in iterations(out).items()
-              if (m := re.search(r"lm loss: ([^ |]+)", line))}
-    losses.update({int(i): loss for i, loss in REDONE.findall(output)})  # a redone iteration's loss wins
+    losses = logged_losses(*earlier, output)
     return {"code": code, "output": output, "outputs": (*earlier, output), "after": last, "losses": losses, "incidents": incidents(where)}
 
 
